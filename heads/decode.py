@@ -1,0 +1,182 @@
+"""Batched decoding with the KV cache, in a few plain steps.
+
+`prefill` runs the left-padded prompts once; `decode_one_token` feeds one token
+per row; `Batch` keeps the per-row state between steps (cache, positions, the
+running sum of the last layer's hidden states, stop strings, finish reasons).
+A `Guide` (a T3 head, say) may rewrite each step's logits from the pooled state;
+rows without one are decoded from the model alone.
+
+Only the decoder's last hidden state is read, and only the last position goes
+through the LM head: no step materialises every layer's states or every
+position's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from heads.sampling import SamplingParams, make_generator, sample
+
+
+class Guide(Protocol):
+    """Rewrites a batch's next-token logits, given each row's pooled hidden state."""
+
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+    return ids
+
+
+def forward_last_hidden(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    """The decoder's final (normed) hidden states, (B, L, d); the cache is extended in place."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=True)
+    return out.last_hidden_state
+
+
+def next_logits(model, hidden_last: torch.Tensor) -> torch.Tensor:
+    """LM-head logits for one position per row: (B, d) -> (B, V), float32."""
+    return model.get_output_embeddings()(hidden_last).float()
+
+
+def prefill(model, input_ids, attention_mask, cache):
+    """Run the prompts; return (last-position hidden, sum of hidden over real tokens, real-token count)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = forward_last_hidden(model, input_ids, attention_mask, position_ids, cache)
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return hidden[:, -1], (hidden * mask).sum(1).float(), attention_mask.sum(1)
+
+
+def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.Tensor:
+    """Feed one token per row at its own position; return its hidden state (B, d)."""
+    return forward_last_hidden(model, tokens[:, None], attention_mask, positions[:, None], cache)[:, 0]
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    prompt_tokens: int
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class Batch:
+    """Requests that decode together. `step()` adds one token to every unfinished row."""
+
+    def __init__(self, model, tokenizer, prompts: list[str], params: list[SamplingParams],
+                 guide: Guide | None = None):
+        if len(prompts) != len(params) or not prompts:
+            raise ValueError("need one SamplingParams per prompt, and at least one prompt")
+        self.model, self.tokenizer, self.guide = model, tokenizer, guide
+        self.eos = eos_ids(model, tokenizer)
+        device = next(model.parameters()).device
+        tokenizer.padding_side = "left"
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        input_ids, self.attention_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        counts = self.attention_mask.sum(1).tolist()
+        if min(counts) == 0:  # an empty prompt: start from BOS (or EOS) so there is a position to predict from
+            raise ValueError("a prompt encodes to no tokens")
+        self.rows = [Row(p, int(c), make_generator(p.seed, device)) for p, c in zip(params, counts)]
+        self.temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        self.cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            last, self.pooled_sum, self.count = prefill(model, input_ids, self.attention_mask, self.cache)
+        self.positions = self.count - 1
+        self._last_hidden = last
+
+    @property
+    def done(self) -> bool:
+        return all(r.finish_reason is not None for r in self.rows)
+
+    def pooled(self) -> torch.Tensor:
+        """Running mean of the final hidden states over every position so far, prompt included: (B, d)."""
+        return self.pooled_sum / self.count[:, None].to(self.pooled_sum.dtype)
+
+    @torch.inference_mode()
+    def step(self) -> list[int | None]:
+        """Choose and feed the next token of every unfinished row; returns it (None for finished rows)."""
+        logits = next_logits(self.model, self._last_hidden)
+        if self.guide is not None:
+            logits = self.guide(logits, self.pooled())
+        tokens = sample(logits, self.temperature, self.top_k, self.top_p, [r.generator for r in self.rows])
+        emitted: list[int | None] = []
+        for row, token in zip(self.rows, tokens.tolist()):
+            emitted.append(None if row.finish_reason else token)
+            if row.finish_reason is None:
+                self._append(row, token)
+        if not self.done:
+            self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], 1)
+            self.positions = self.positions + 1
+            hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
+            self.pooled_sum += hidden.float()
+            self.count = self.count + 1
+            self._last_hidden = hidden
+        return emitted
+
+    def _append(self, row: Row, token: int) -> None:
+        if token in self.eos:
+            row.finish_reason = "stop"
+            return
+        row.token_ids.append(token)
+        row.text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        cut = min((i for i in (row.text.find(s) for s in row.params.stop if s) if i >= 0), default=-1)
+        if cut >= 0:
+            row.text, row.finish_reason = row.text[:cut], "stop"
+        elif len(row.token_ids) >= row.params.max_new_tokens:
+            row.finish_reason = "length"
+
+    def finish(self, index: int, reason: str = "abort") -> None:
+        """Stop a row early (its client went away); the batch keeps decoding the others."""
+        if self.rows[index].finish_reason is None:
+            self.rows[index].finish_reason = reason
+
+    def completions(self) -> list[Completion]:
+        return [Completion(r.text, r.token_ids, r.finish_reason or "length", r.prompt_tokens) for r in self.rows]
+
+
+def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list[SamplingParams],
+             guide: Guide | None = None) -> list[Completion]:
+    """Decode `prompts` together until every row stops."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    batch = Batch(model, tokenizer, prompts, params, guide)
+    while not batch.done:
+        batch.step()
+    return batch.completions()
+
+
+def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParams, batch_size: int = 64,
+                     guide: Guide | None = None) -> list[Completion]:
+    """`generate` over a long list of prompts, `batch_size` at a time (prompts of similar length together)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[Completion | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        for i, c in zip(idx, generate(model, tokenizer, [prompts[i] for i in idx], params, guide)):
+            out[i] = c
+    return out  # type: ignore[return-value]

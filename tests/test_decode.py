@@ -1,0 +1,83 @@
+import torch
+
+from heads.decode import generate
+from heads.records import question_prompt
+from heads.sampling import SamplingParams, logits_to_probs
+
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
+
+
+def _prompts(records, n=6):
+    return [question_prompt(r["question"]) for r in records[:: max(1, len(records) // n)][:n]]
+
+
+def test_batched_greedy_equals_each_row_alone_and_transformers_generate(tiny_lm, tiny_records):
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    prompts = _prompts(tiny_records) + ["Question: Who?\nAnswer:"]  # lengths differ: left padding
+    batch = generate(model, tok, prompts, GREEDY)
+    for prompt, got in zip(prompts, batch):
+        alone = generate(model, tok, [prompt], GREEDY)[0]
+        assert got.token_ids == alone.token_ids
+        enc = tok([prompt], return_tensors="pt", add_special_tokens=False)
+        ref = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+        ref_ids = [t for t in ref[0, enc.input_ids.shape[1]:].tolist() if t != tok.eos_token_id]
+        assert got.token_ids == ref_ids
+
+
+def test_memorised_answer_ends_at_eos_with_stop_reason(tiny_lm, tiny_records):
+    r = tiny_records[1]
+    out = generate(tiny_lm.model, tiny_lm.tokenizer, [question_prompt(r["question"])], GREEDY)[0]
+    assert out.text.strip() == r["answer"] and out.finish_reason == "stop"
+    assert out.prompt_tokens == len(tiny_lm.tokenizer(question_prompt(r["question"]))["input_ids"])
+
+
+def test_max_new_tokens_and_stop_strings(tiny_lm, tiny_records):
+    r = tiny_records[1]  # "<name> was born in <city>."
+    prompt = question_prompt(r["question"])
+    short = generate(tiny_lm.model, tiny_lm.tokenizer, [prompt], SamplingParams(max_new_tokens=2, temperature=0))[0]
+    assert short.finish_reason == "length" and short.completion_tokens == 2
+    stopped = generate(tiny_lm.model, tiny_lm.tokenizer, [prompt],
+                       SamplingParams(max_new_tokens=40, temperature=0, stop=[" born"]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == " " + r["answer"].split(" born")[0]
+
+
+def test_seeded_sampling_is_reproducible_per_row_whatever_the_batch(tiny_lm, tiny_records):
+    prompts = _prompts(tiny_records, 4)
+    hot = [SamplingParams(max_new_tokens=20, temperature=3.0, seed=s) for s in range(4)]
+    a = generate(tiny_lm.model, tiny_lm.tokenizer, prompts, hot)
+    b = generate(tiny_lm.model, tiny_lm.tokenizer, prompts[1:2], hot[1:2])
+    assert a[1].token_ids == b[0].token_ids
+    c = generate(tiny_lm.model, tiny_lm.tokenizer, prompts, [SamplingParams(max_new_tokens=20, temperature=3.0,
+                                                                           seed=s + 100) for s in range(4)])
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_top_k_one_is_greedy(tiny_lm, tiny_records):
+    prompts = _prompts(tiny_records, 3)
+    greedy = generate(tiny_lm.model, tiny_lm.tokenizer, prompts, GREEDY)
+    k1 = generate(tiny_lm.model, tiny_lm.tokenizer, prompts, SamplingParams(max_new_tokens=40, temperature=5.0,
+                                                                            top_k=1, seed=0))
+    assert [g.token_ids for g in greedy] == [k.token_ids for k in k1]
+
+
+def test_logits_to_probs_matches_an_independent_top_k_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    temperature = torch.tensor([0.5, 1.0, 2.0, 1.0, 0.7])
+    top_k = torch.tensor([0, 5, 0, 10, 3])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.3, 1.0])
+    got = logits_to_probs(logits, temperature, top_k, top_p)
+    for i in range(5):
+        p = torch.softmax(logits[i] / temperature[i], -1)
+        order = p.argsort(descending=True).tolist()
+        keep = order[: top_k[i].item() or 50]
+        kp = p[keep] / p[keep].sum()
+        kept, mass = [], 0.0
+        for tok, q in zip(keep, kp.tolist()):
+            if mass >= top_p[i].item():
+                break
+            kept.append(tok)
+            mass += q
+        want = torch.zeros(50)
+        want[kept] = p[kept] / p[kept].sum()
+        torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
