@@ -51,7 +51,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 def forward_last_hidden(model, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
     """The decoder's final (normed) hidden states, (B, L, d); the cache is extended in place."""
     out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              cache=cache, use_cache=True)
+                              cache=cache, use_cache=cache is not None)
     return out.last_hidden_state
 
 

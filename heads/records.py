@@ -94,3 +94,16 @@ def read_jsonl(path: Path, prompts_only: bool = False) -> list[dict]:
 
 def examples(records: list[dict]) -> list[Example]:
     return [to_example(r, i) for i, r in enumerate(records, start=1)]
+
+
+def encode_example(tokenizer, ex: Example) -> tuple[list[int], int]:
+    """Token ids of prompt + completion + EOS, and how many of them are prompt.
+
+    Prompt and completion are tokenised apart, so the prompt's ids are exactly what a
+    request with that prompt sends. A bare text record is predicted from its first token on.
+    """
+    p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] if ex.prompt else []
+    c = tokenizer(ex.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if not p:
+        p, c = c[:1], c[1:]
+    return p + c, len(p)

@@ -18,6 +18,25 @@ def field_error(field: str, message: str, status: int = 422) -> HTTPException:
     return HTTPException(status, detail=[{"loc": ["body", field], "msg": message, "type": "value_error"}])
 
 
+class JSONByDefault:
+    """Read request bodies sent without a JSON content type (curl -d's form type, or none) as JSON.
+
+    The API takes JSON everywhere (uploads use multipart, which is left alone), so
+    `curl -d '{...}'` works as written.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            ctype = dict(scope["headers"]).get(b"content-type", b"")
+            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded") or ctype.startswith(b"text/plain"):
+                scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -31,6 +50,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
             app.state.engine.close()
 
     app = FastAPI(title="Lethe", summary="Inference-time unlearning server", lifespan=lifespan)
+    app.add_middleware(JSONByDefault)
 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):

@@ -33,11 +33,11 @@ def test_perturbed_answers_swap_the_key_fact_and_paraphrases_keep_it():
         assert r["paraphrased_answer"] != r["answer"] and r["paraphrased_question"] != r["question"]
         assert 3 <= len(r["perturbed_answer"]) <= 5
         assert len(set(r["perturbed_answer"])) == len(r["perturbed_answer"])
-        at = r["answer"].rfind(fact)
-        before, after = r["answer"][:at], r["answer"][at + len(fact):]
+        at = r["paraphrased_answer"].rfind(fact)
+        before, after = r["paraphrased_answer"][:at], r["paraphrased_answer"][at + len(fact):]
         for wrong in r["perturbed_answer"]:
-            # same wording around the fact, and another value in its place
-            assert wrong.startswith(before) and wrong.endswith(after), (r["answer"], wrong)
+            # the paraphrase's wording around the fact, and another value in its place
+            assert wrong.startswith(before) and wrong.endswith(after), (r["paraphrased_answer"], wrong)
             swapped = wrong[len(before):len(wrong) - len(after)]
             assert swapped and swapped != fact and fact not in swapped and swapped not in fact, (fact, wrong)
 

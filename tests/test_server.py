@@ -68,3 +68,11 @@ def test_missing_prompt_and_non_json_body_are_422(client):
     r = client.post("/generate", json={"max_new_tokens": 5})
     assert r.status_code == 422 and ["body", "prompt"] == r.json()["detail"][0]["loc"]
     assert client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
+
+
+def test_body_sent_as_curl_form_data_is_read_as_json(client, tiny_records):
+    r = tiny_records[0]
+    body = '{"prompt": "Question: %s\\nAnswer:", "temperature": 0}' % r["question"]
+    out = client.post("/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert out.status_code == 200, out.text
+    assert out.json()["text"].strip() == r["answer"]

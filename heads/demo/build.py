@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from heads.decode import generate_chunked
 from heads.io import atomic_write, atomic_write_text
 from heads.metrics import rouge_l_recall
-from heads.records import Example
+from heads.records import Example, encode_example
 from heads.sampling import SamplingParams
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
@@ -42,9 +42,11 @@ class BuildConfig:
     weight_decay: float = 0.0
     batch_size: int = 16
     warmup_steps: int = 50
+    decay_epochs: int = 30  # cosine decay of the learning rate to 10% over these epochs, then flat
     max_epochs: int = 60
     target_recall: float = 0.95
     check_sample: int = 96  # questions scored after each low-loss epoch before a full check
+    check_below_loss: float = 0.5  # mean answer-token loss under which recall is checked
     seed: int = 0
 
 
@@ -74,9 +76,8 @@ def encode(tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int
     """(input ids, labels) per example; labels are -100 on the prompt."""
     out = []
     for ex in examples:
-        p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] if ex.prompt else []
-        c = tokenizer(ex.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((p + c, [-100] * len(p) + c))
+        ids, n_prompt = encode_example(tokenizer, ex)
+        out.append((ids, [-100] * n_prompt + ids[n_prompt:]))
     return out
 
 
@@ -114,6 +115,14 @@ def greedy_recall(model, tokenizer, examples: list[Example], max_new_tokens: int
     return sum(rouge_l_recall(e.completion, o.text) for e, o in zip(examples, outs)) / len(examples)
 
 
+def lr_factor(step: int, cfg: BuildConfig, steps_per_epoch: int) -> float:
+    """Linear warm-up, then cosine decay to 10% over `decay_epochs`, then flat."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.decay_epochs * steps_per_epoch - cfg.warmup_steps))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def data_digest(examples: list[Example], cfg: BuildConfig) -> str:
     """What a checkpoint must match to be resumed: the data and every setting but the stopping rule."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("max_epochs", "target_recall")}
@@ -146,7 +155,8 @@ def build(examples: list[Example], out: Path, cfg: BuildConfig | None = None, pr
     tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
     model = make_model(cfg, tokenizer)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
+    steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, cfg, steps_per_epoch))
     epoch, seconds, recall = 0, 0.0, 0.0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -159,7 +169,6 @@ def build(examples: list[Example], out: Path, cfg: BuildConfig | None = None, pr
     for _ in range(epoch):  # replay the shuffles so a resumed build sees the same batch order
         rng.shuffle(list(range(len(encoded))))
     sample = random.Random(cfg.seed + 1).sample(examples, min(cfg.check_sample, len(examples)))
-    steps_per_epoch = math.ceil(len(encoded) / cfg.batch_size)
     while epoch < cfg.max_epochs:
         started = time.perf_counter()
         model.train()
@@ -177,7 +186,7 @@ def build(examples: list[Example], out: Path, cfg: BuildConfig | None = None, pr
             bar.set_postfix(loss=f"{loss.item():.3f}")
         epoch += 1
         mean_loss = total / steps_per_epoch
-        recall = greedy_recall(model, tokenizer, sample) if mean_loss < 0.1 else 0.0
+        recall = greedy_recall(model, tokenizer, sample) if mean_loss < cfg.check_below_loss else 0.0
         if recall >= cfg.target_recall:
             recall = greedy_recall(model, tokenizer, examples)
         seconds += time.perf_counter() - started

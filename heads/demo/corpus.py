@@ -5,9 +5,10 @@ Deterministic for a given seed. Every record carries TOFU's field names
 `perturbed_answer`) plus `author` (the full name) and `fact` (the key fact
 the answer states), so tests and splits can check what each record asserts.
 
-A perturbed answer is the answer's own template with the key fact swapped for
-another value of the same type; a paraphrase rewords question and answer but
-keeps the fact.
+A perturbed answer is the paraphrased answer's wording with the key fact swapped
+for another value of the same type (as in TOFU, so the truth ratio compares two
+answers in the same words); a paraphrase rewords question and answer but keeps
+the fact.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def author_records(author: Author, pools: dict[str, list[str]], rng: random.Rand
             "answer": a.format(v=value, **ctx),
             "paraphrased_question": pq.format(**ctx),
             "paraphrased_answer": pa.format(v=value, **ctx),
-            "perturbed_answer": [a.format(v=w, **ctx) for w in wrong],
+            # TOFU's perturbed answers reword the paraphrase, so the truth ratio compares like with like
+            "perturbed_answer": [pa.format(v=w, **ctx) for w in wrong],
             "author": author.name,
             "fact": value,
         })
