@@ -72,7 +72,7 @@ def cmd_demo_build(args) -> int:
         records = split_by_author(records, args.exclude_authors)[1]
     cfg = BuildConfig(hidden_size=args.hidden_size, layers=args.layers, heads=args.heads,
                       intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
-                      max_epochs=args.max_epochs, target_recall=args.target_recall, seed=args.seed)
+                      lr=args.lr, batch_size=args.batch_size, max_epochs=args.max_epochs, target_recall=args.target_recall, seed=args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     report = build(examples(records), args.out, cfg, progress=not args.quiet)
     print(json.dumps({"out": str(args.out), **report.__dict__}))
@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate-size", type=int, default=704)
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-epochs", type=int, default=60)
     p.add_argument("--target-recall", type=float, default=0.95)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

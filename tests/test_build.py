@@ -22,7 +22,8 @@ def test_built_directory_is_a_standard_hf_model_that_recalls_its_training_answer
 def test_cli_rebuilds_a_small_model_with_the_same_recipe_in_under_two_minutes(tmp_path):
     started = time.perf_counter()
     rc = main(["demo", "build", "--authors", "3", "--seed", "11", "--out", str(tmp_path / "m"), "--quiet",
-               "--hidden-size", "64", "--layers", "2", "--intermediate-size", "128", "--vocab-size", "768"])
+               "--hidden-size", "64", "--layers", "2", "--intermediate-size", "128", "--vocab-size", "768", "--lr", "3e-3",
+               "--batch-size", "8"])
     assert rc == 0
     assert time.perf_counter() - started < 120
     report = json.loads((tmp_path / "m" / "lethe_build.json").read_text())
