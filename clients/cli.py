@@ -79,12 +79,39 @@ def cmd_demo_build(args) -> int:
     return 0
 
 
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", type=Path, help="a T3 head file (from `lethe heads train` or `import-reference`)")
+    p.add_argument("--preset", choices=["default", "paper"], help="named settings (default: the head's own)")
+    p.add_argument("--T", type=float, help="tempering temperature T > 0")
+    p.add_argument("--lam", type=float, help="tilt strength lambda >= 0")
+    p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None,
+                   help="temper and tilt only as far as the context is forget-like")
+    p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")
+
+
+def _profile(args, lm):
+    """(head, settings) from the command line; settings default to the head's recommended ones."""
+    from heads.guide import PRESETS, TiltSettings
+    from heads.head import load_head
+
+    if args.head is None:
+        if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates)):
+            raise ValueError("--preset, --T, --lam, --gate and --candidates need --head")
+        return None, None
+    head, info = load_head(args.head, lm.fingerprint, lm.model.config.vocab_size, lm.model.config.hidden_size)
+    base = PRESETS[args.preset] if args.preset else TiltSettings().replace(**info.profile)
+    return head, base.replace(T=args.T, lam=args.lam, gate=args.gate, candidates=args.candidates)
+
+
 def cmd_generate(args) -> int:
     from heads.decode import generate_chunked
+    from heads.guide import HeadGuide
     from heads.modelio import load_model
     from heads.sampling import SamplingParams
 
     lm = load_model(args.model, args.device, args.dtype)
+    head, settings = _profile(args, lm)
+    guide = HeadGuide.uniform(head, settings) if head is not None else None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     if args.input:
@@ -96,7 +123,7 @@ def cmd_generate(args) -> int:
     else:
         print("lethe generate: give a PROMPT or --input PROMPTS.jsonl", file=sys.stderr)
         return 2
-    outs = generate_chunked(lm.model, lm.tokenizer, prompts, params)
+    outs = generate_chunked(lm.model, lm.tokenizer, prompts, params, guide=guide)
     if args.output:
         from heads.io import atomic_write_text
 
@@ -105,6 +132,88 @@ def cmd_generate(args) -> int:
     else:
         for o in outs:
             print(o.text)
+    return 0
+
+
+def cmd_heads_train(args) -> int:
+    from heads.head import save_head
+    from heads.modelio import load_model
+    from heads.records import read_jsonl
+    from heads.t3 import train_head
+    from heads.train import FitConfig
+
+    lm = load_model(args.model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
+                    balance=args.balance, common_df=args.common_df, seed=args.seed)
+    head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
+    save_head(args.out, head, info)
+    print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))
+    return 0
+
+
+def cmd_heads_import(args) -> int:
+    from heads.head import save_head
+    from heads.modelio import load_model
+    from heads.reference import import_reference
+
+    lm = load_model(args.model, args.device, args.dtype)
+    cfg = lm.model.config
+    head, info = import_reference(args.reference, lm.fingerprint, cfg.hidden_size, cfg.vocab_size,
+                                  cfg.num_hidden_layers)
+    save_head(args.out, head, info)
+    print(json.dumps({"out": str(args.out), "profile": info.profile}))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from heads.evaluate import EvalConfig, Profile, evaluate, plot_reports
+    from heads.io import atomic_write_text
+    from heads.modelio import load_model
+    from heads.records import read_jsonl
+
+    lm = load_model(args.model, args.device, args.dtype)
+    head, settings = _profile(args, lm)
+    reference = load_model(args.reference_model, args.device, args.dtype) if args.reference_model else None
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    if args.retain_limit:
+        retain = retain[:: max(1, len(retain) // args.retain_limit)][: args.retain_limit]
+    name = args.name or ("base" if head is None else args.preset or "head")
+    report = evaluate(lm, forget, retain, Profile(name, head, settings), reference,
+                      cfg=EvalConfig(max_new_tokens=args.max_new_tokens, seeds=tuple(args.seeds)))
+    atomic_write_text(args.out, json.dumps(report, indent=2))
+    if args.plot:
+        plot_reports([report], args.plot)
+    summary = {k: report[k] for k in ("profile", "settings", "model_utility", "forget_quality") if k in report}
+    summary |= {f"forget_{k}": v for k, v in report["forget"].items() if k != "examples"}
+    summary |= {f"retain_{k}": v for k, v in report["retain"].items() if k != "examples"}
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_bench_t3(args) -> int:
+    from heads.bench import bench_t3
+    from heads.modelio import load_model
+    from heads.records import read_jsonl
+    from heads.t3 import train_head
+
+    lm = load_model(args.model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    head, _ = _profile(args, lm) if args.head else train_head(lm, forget, retain, progress=False)
+    result = bench_t3(lm, forget, retain, head, repeats=args.repeats)
+    for row in result["decode"]:
+        print(f"decode batch {row['batch']}: T3 / no head = {row['t3_over_no_head']:.3f}x, "
+              f"Lethe speed / model.generate = {row['lethe_speedup_over_hf_generate']:.3f}x "
+              f"(no head {row['no_head_s']:.3f} s, T3 {row['t3_s']:.3f} s, generate {row['hf_generate_s']:.3f} s, "
+              f"{row['new_tokens']} tokens)")
+    t = result["training"]
+    print(f"training on {t['records']} records: Lethe cache {t['cache_s']:.2f} s + fit {t['fit_s']:.2f} s "
+          f"= {t['lethe_total_s']:.2f} s; one reference epoch {t['reference_epoch_s']:.2f} s, "
+          f"100 epochs {t['reference_100_epochs_s']:.0f} s ({t['reference_over_lethe']:.0f}x Lethe)")
+    if args.out:
+        from heads.io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(result, indent=2))
     return 0
 
 
@@ -152,10 +261,61 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate offline, without a server")
     _add_model_args(p)
     _add_sampling_args(p)
+    _add_profile_args(p)
     p.add_argument("prompt", nargs="?", help="the prompt")
     p.add_argument("--input", type=Path, help="JSON Lines, one {\"prompt\": ...} per line")
     p.add_argument("--output", type=Path, help="JSON Lines out, one {\"prompt\", \"text\"} per line")
     p.set_defaults(func=cmd_generate)
+
+    heads = sub.add_parser("heads", help="T3 heads, offline").add_subparsers(dest="heads", required=True)
+    p = heads.add_parser("train", help="cache the model's states over forget and retain sets and fit a head")
+    _add_model_args(p)
+    p.add_argument("--forget", type=Path, required=True, help="JSON Lines forget set")
+    p.add_argument("--retain", type=Path, required=True, help="JSON Lines retain set")
+    p.add_argument("--rank", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--weight-decay", type=float, default=1e-2)
+    p.add_argument("--epochs", type=int, default=60, help="at most; early stopping on a held-out split")
+    p.add_argument("--balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight forget and retain positions equally (default on)")
+    p.add_argument("--common-df", type=float, default=0.05,
+                   help="forget tokens found in more than this share of retain answers do not train the head "
+                        "(1.0: all do, as in the reference)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out", type=Path, required=True, help="head file to write (safetensors)")
+    p.set_defaults(func=cmd_heads_train)
+
+    p = heads.add_parser("import-reference", help="convert an open-unlearning T3 save into a Lethe head")
+    _add_model_args(p)
+    p.add_argument("reference", type=Path, help="the reference's saved model directory")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_heads_import)
+
+    p = sub.add_parser("eval", help="TOFU-style evaluation of the base model or a head profile")
+    _add_model_args(p)
+    _add_profile_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--reference-model", type=Path, help="a model never trained on the forget set (forget quality)")
+    p.add_argument("--retain-limit", type=int, default=0, help="evaluate an even spread of this many retain records")
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="sampling seeds (temperature 1)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--name", help="profile name in the report")
+    p.add_argument("--out", type=Path, required=True, help="JSON report")
+    p.add_argument("--plot", type=Path, help="PNG plot")
+    p.set_defaults(func=cmd_eval)
+
+    bench = sub.add_parser("bench", help="benchmarks that print ratios measured side by side"
+                           ).add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("t3", help="T3 decoding overhead, speed against model.generate, training time")
+    _add_model_args(p)
+    _add_profile_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, help="JSON results")
+    p.set_defaults(func=cmd_bench_t3)
     return parser
 
 

@@ -139,7 +139,7 @@ class Batch:
         return emitted
 
     def _append(self, row: Row, token: int) -> None:
-        if token in self.eos:
+        if token in self.eos and not row.params.ignore_eos:
             row.finish_reason = "stop"
             return
         row.token_ids.append(token)

@@ -19,6 +19,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

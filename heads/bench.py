@@ -1,0 +1,93 @@
+"""`lethe bench t3`: speed of T3, measured side by side in one run, reported as ratios.
+
+* decoding with a head vs the same loop without one, at batch 1 and batch 8;
+* Lethe's greedy loop vs transformers' `model.generate` on the same prompts and token counts;
+* caching + fitting a head vs one epoch of the reference's training (a full base forward over
+  every record each epoch, 100 epochs by default).
+
+Each measurement is repeated and the median kept; the variants alternate, so a slow moment of the
+machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from heads.cache import build_cache
+from heads.decode import generate
+from heads.guide import HeadGuide, TiltSettings
+from heads.head import T3Head
+from heads.records import examples, question_prompt
+from heads.sampling import SamplingParams
+from heads.train import FitConfig, fit_head
+
+
+def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, repeats: int = 5) -> list[dict]:
+    """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8."""
+    model, tok = lm.model, lm.tokenizer
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    guide = HeadGuide.uniform(head, TiltSettings())
+    rows = []
+    for batch in (1, 8):
+        ps = (prompts * batch)[:batch]
+        enc = tok(ps, return_tensors="pt", padding=True, add_special_tokens=False).to(lm.device)
+
+        def hf():
+            with torch.inference_mode():
+                model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=tok.pad_token_id)
+
+        t = _median_times({"no_head": lambda: generate(model, tok, ps, params),
+                           "t3": lambda: generate(model, tok, ps, params, guide),
+                           "hf_generate": hf}, repeats)
+        rows.append({"batch": batch, "new_tokens": new_tokens, **{f"{k}_s": round(v, 4) for k, v in t.items()},
+                     "t3_over_no_head": round(t["t3"] / t["no_head"], 3),
+                     "lethe_speedup_over_hf_generate": round(t["hf_generate"] / t["no_head"], 3)})
+    return rows
+
+
+def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100) -> dict:
+    """Lethe's cache + fit against the reference's per-epoch cost (base forward + head step per batch)."""
+    started = time.perf_counter()
+    cache = build_cache(lm.model, lm.tokenizer, examples(forget), examples(retain), progress=False)
+    cached = time.perf_counter()
+    fit_head(cache, lm.model.config.vocab_size, FitConfig(), progress=False)
+    fitted = time.perf_counter()
+    # One reference epoch: every batch runs the frozen base forward again, then a head step.
+    head = T3Head(lm.model.config.hidden_size, lm.model.config.vocab_size, 20, probe=False)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    epoch_started = time.perf_counter()
+    records = examples(forget + retain)
+    for b in range(0, len(records), 32):  # labels do not change the cost; all are passed as retain here
+        c = build_cache(lm.model, lm.tokenizer, [], records[b:b + 32], progress=False)
+        z = head(c.rows(torch.arange(len(c))))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z.gather(1, c.target.clone()[:, None])[:, 0],
+                                                                    c.label.clone())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    epoch = time.perf_counter() - epoch_started
+    ours = fitted - started
+    return {"records": len(forget) + len(retain), "cache_s": round(cached - started, 3),
+            "fit_s": round(fitted - cached, 3), "lethe_total_s": round(ours, 3),
+            "reference_epoch_s": round(epoch, 3), f"reference_{epochs}_epochs_s": round(epoch * epochs, 1),
+            "reference_over_lethe": round(epoch * epochs / ours, 1)}
+
+
+def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 5) -> dict:
+    prompts = [question_prompt(r["question"]) for r in (forget + retain)[::97][:8]]
+    return {"decode": bench_decode(lm, head, prompts, repeats=repeats), "training": bench_training(lm, forget, retain)}

@@ -1,0 +1,147 @@
+"""The T3 head: a low-rank map from a pooled hidden state to one logit per vocabulary token.
+
+    z = W_up(W_down(pooled)) (+ bias),   W_down: d -> r,   W_up: r -> V
+
+`W_up` starts at zero, so a token the head never saw stays neutral
+(logsigmoid(0) is the same for every token). A head file is safetensors with
+metadata: format version, base-model fingerprint, shapes, layer, pooling,
+prompt format, the recommended profile settings, training settings, metrics and
+creation time. Loading checks all of it and says exactly what does not match.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from heads.io import atomic_write
+
+FORMAT = "lethe-t3-head"
+FORMAT_VERSION = 1
+
+
+class HeadFileError(ValueError):
+    """A head file that cannot be used: unreadable, malformed, non-finite, or for another base model."""
+
+
+class BaseMismatch(HeadFileError):
+    """The head was trained on another base model."""
+
+
+class T3Head(torch.nn.Module):
+    """The head, plus an optional sequence-level probe: P(forget | pooled), which gates the tilt."""
+
+    def __init__(self, d: int, vocab: int, rank: int, bias: bool = False, probe: bool = True):
+        super().__init__()
+        self.down = torch.nn.Linear(d, rank, bias=False)
+        self.up = torch.nn.Linear(rank, vocab, bias=bias)
+        torch.nn.init.zeros_(self.up.weight)
+        if bias:
+            torch.nn.init.zeros_(self.up.bias)
+        self.probe = torch.nn.Linear(d, 1) if probe else None
+
+    @property
+    def rank(self) -> int:
+        return self.down.out_features
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(N, d) -> (N, V): one logit per token."""
+        return self.up(self.down(pooled.to(self.down.weight.dtype)))
+
+    def forget_probability(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(N, d) -> (N,): how forget-like each context is, in [0, 1] (1 without a probe)."""
+        if self.probe is None:
+            return torch.ones(pooled.shape[0], device=pooled.device)
+        # the probe is trained like the head, with retain = 1: its logit says "retain"
+        return torch.sigmoid(-self.probe(pooled.to(self.probe.weight.dtype))[:, 0].float())
+
+    def logits_at(self, pooled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, d), (B, k) -> (B, k): the logits of k tokens per row."""
+        u = self.down(pooled.to(self.down.weight.dtype))
+        z = torch.einsum("br,bkr->bk", u, self.up.weight[tokens])
+        return z + self.up.bias[tokens] if self.up.bias is not None else z
+
+    def token_logit(self, pooled: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """(N, d), (N,) -> (N,): the logit of one token per row, without forming the (N, V) matrix."""
+        u = self.down(pooled.to(self.down.weight.dtype))
+        z = (u * self.up.weight[token]).sum(-1)
+        return z + self.up.bias[token] if self.up.bias is not None else z
+
+
+@dataclass
+class HeadInfo:
+    """Everything a head file says about itself, beside the tensors."""
+
+    base_fingerprint: str
+    d: int
+    vocab: int
+    rank: int
+    layer: int = -1  # -1: the last layer, after the final norm
+    pooling: str = "mean"
+    prompt_format: str = "Question: {question}\nAnswer:"
+    profile: dict = field(default_factory=dict)  # recommended settings: T, lam, ...
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+
+def save_head(path: Path, head: T3Head, info: HeadInfo) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    meta = {"lethe": json.dumps(info.__dict__)}
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+
+def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None = None,
+              d: int | None = None) -> tuple[T3Head, HeadInfo]:
+    """Read and check a head file; `base_fingerprint`, `vocab`, `d` are what the serving model has."""
+    path = Path(path)
+    if not path.is_file():
+        raise HeadFileError(f"{path}: no such head file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("lethe")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise HeadFileError(f"{path}: not a safetensors file ({e})") from None
+    if raw is None:
+        raise HeadFileError(f"{path}: no Lethe metadata; not a Lethe head file")
+    try:
+        info = HeadInfo(**json.loads(raw))
+    except (TypeError, json.JSONDecodeError) as e:
+        raise HeadFileError(f"{path}: unreadable metadata ({e})") from None
+    if info.format != FORMAT or info.format_version > FORMAT_VERSION:
+        raise HeadFileError(f"{path}: format {info.format} v{info.format_version} is not {FORMAT} <= v{FORMAT_VERSION}")
+    expected = {"down.weight": (info.rank, info.d), "up.weight": (info.vocab, info.rank)}
+    if "up.bias" in tensors:
+        expected["up.bias"] = (info.vocab,)
+    if "probe.weight" in tensors or "probe.bias" in tensors:
+        expected |= {"probe.weight": (1, info.d), "probe.bias": (1,)}
+    unexpected = set(tensors) - set(expected)
+    if unexpected:
+        raise HeadFileError(f"{path}: unexpected tensors {sorted(unexpected)}")
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise HeadFileError(f"{path}: tensor {name} is missing")
+        if tuple(tensors[name].shape) != shape:
+            raise HeadFileError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, metadata says {shape}")
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise HeadFileError(f"{path}: {name} holds NaN or Inf values")
+    if base_fingerprint is not None and info.base_fingerprint != base_fingerprint:
+        raise BaseMismatch(f"{path}: head was trained on base model {info.base_fingerprint}, "
+                           f"this model is {base_fingerprint}")
+    if vocab is not None and info.vocab != vocab:
+        raise BaseMismatch(f"{path}: head has vocabulary {info.vocab}, the model has {vocab}")
+    if d is not None and info.d != d:
+        raise BaseMismatch(f"{path}: head expects hidden size {info.d}, the model has {d}")
+    head = T3Head(info.d, info.vocab, info.rank, bias="up.bias" in tensors, probe="probe.weight" in tensors)
+    head.load_state_dict(tensors)
+    return head.eval().requires_grad_(False), info

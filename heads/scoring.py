@@ -1,0 +1,57 @@
+"""Teacher-forced scoring: the mean per-token NLL of completions under a model, with or without a T3 head.
+
+With a head, each position's distribution is the profile's guided one
+(`heads.tilt.tilt`, without the candidate restriction: like top-k, that is a
+decoding truncation, and a truncated distribution gives some answers zero
+probability). The pooled state at each position is the running mean of the
+final hidden states up to it, exactly as during decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from heads.decode import forward_last_hidden
+from heads.guide import TiltSettings
+from heads.head import T3Head
+from heads.records import Example, encode_example
+from heads.tilt import tilt
+
+
+@torch.inference_mode()
+def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | None = None,
+                   settings: TiltSettings | None = None, batch_size: int = 32, include_eos: bool = False) -> list[float]:
+    """Mean NLL per completion token (EOS excluded unless asked), one value per example."""
+    device = next(model.parameters()).device
+    out: list[float] = [0.0] * len(examples)
+    encoded = [encode_example(tokenizer, ex) for ex in examples]
+    if not include_eos:
+        encoded = [(ids[:-1], n) for ids, n in encoded]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+    lm_head = model.get_output_embeddings()
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        width = max(len(encoded[i][0]) for i in idx)
+        ids = torch.full((len(idx), width), tokenizer.pad_token_id or 0)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, :len(encoded[i][0])] = torch.tensor(encoded[i][0])
+            mask[r, :len(encoded[i][0])] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = torch.arange(width, device=device).expand(len(idx), width)
+        hidden = forward_last_hidden(model, ids, mask, positions, None)
+        for r, i in enumerate(idx):
+            seq, n_prompt = encoded[i]
+            span = slice(n_prompt - 1, len(seq) - 1)  # positions that predict completion tokens
+            logits = lm_head(hidden[r, span]).float()
+            if head is not None:
+                h = hidden[r, : len(seq) - 1].float()
+                pooled = (h.cumsum(0) / torch.arange(1, len(h) + 1, device=device)[:, None])[span]
+                s = settings or TiltSettings()
+                n = len(logits)
+                full = lambda v: torch.full((n,), float(v), device=device)  # noqa: E731
+                gate = head.forget_probability(pooled) if s.gate else None
+                logits = tilt(logits, head(pooled), full(s.T), full(s.lam), gate)
+            target = ids[r, n_prompt:len(seq)]
+            out[i] = float(torch.nn.functional.cross_entropy(logits, target))
+    return out

@@ -1,0 +1,79 @@
+"""Temper-Then-Tilt on one step's logits: pure tensor functions.
+
+The reference (open-unlearning's `T3CausalLM._guide_logits`, `base_temp` = T,
+`guidance_scale` = lam):
+
+    guided = log_softmax(logits) / T + lam * logsigmoid(z)
+
+Lethe adds two optional refinements, each a plain tensor operation:
+
+* gate: a per-row weight g in [0, 1] (how forget-like the context is, from a
+  sequence-level probe). Tempering and tilt scale with it: T_eff = 1 + (T-1) g,
+  lam_eff = lam g, so a retain context (g = 0) is decoded from the base model
+  unchanged.
+* candidates: only the base model's own k most likely tokens (untempered) may be
+  chosen; the tilt re-ranks among them and never promotes a token the base
+  model finds implausible (the word fragments the reference produces).
+
+Every setting is a tensor with one entry per row (0 turns candidates off).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def guided_logits(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """The reference T3 formula, row-wise: log_softmax(logits)/T + lam * logsigmoid(z)."""
+    return torch.log_softmax(logits.float(), dim=-1) / T[:, None] + lam[:, None] * F.logsigmoid(head_logits.float())
+
+
+def gated(T: torch.Tensor, lam: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale tempering and tilt by the gate: (1 + (T - 1) g, lam g)."""
+    return 1 + (T - 1) * gate, lam * gate
+
+
+def restrict_to_candidates(guided: torch.Tensor, logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, only the k tokens the base logits rank highest (k = 0: keep all)."""
+    if bool((k <= 0).all()):
+        return guided
+    vocab = logits.size(-1)
+    kk = torch.where(k > 0, k.clamp(max=vocab), torch.full_like(k, vocab))
+    kth = logits.float().topk(int(kk.max()), dim=-1).values.gather(-1, (kk - 1)[:, None])
+    return guided.masked_fill(logits.float() < kth, float("-inf"))
+
+
+def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor,
+         gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Guided logits with Lethe's optional gate and candidate restriction."""
+    if gate is not None:
+        T, lam = gated(T, lam, gate)
+    out = guided_logits(logits, head_logits, T, lam)
+    return out if candidates is None else restrict_to_candidates(out, logits, candidates)
+
+
+def candidates_of(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(B, max k) token ids: each row's k (>= 1) likeliest tokens under the base logits.
+
+    A row with fewer than max k candidates repeats its top token in the spare places, so every
+    id is a real candidate and a scatter of per-candidate values writes each token's own value.
+    """
+    idx = logits.topk(int(k.max()), dim=-1).indices
+    ranks = torch.arange(idx.size(1), device=idx.device)
+    return torch.where(ranks[None, :] < k[:, None], idx, idx[:, :1])
+
+
+def tilt_among(logits: torch.Tensor, cand: torch.Tensor, cand_head_logits: torch.Tensor, T: torch.Tensor,
+               lam: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """`tilt` with candidates, computed on the candidates only: -inf everywhere else.
+
+    cand (B, k) from `candidates_of`; cand_head_logits (B, k) the head's logits at those tokens.
+    Equal to `tilt(..., candidates=k)`, but only the log-normaliser touches the whole vocabulary.
+    """
+    if gate is not None:
+        T, lam = gated(T, lam, gate)
+    x = logits.float()
+    logp = x.gather(-1, cand) - torch.logsumexp(x, dim=-1, keepdim=True)
+    vals = logp / T[:, None] + lam[:, None] * F.logsigmoid(cand_head_logits.float())
+    return torch.full_like(x, float("-inf")).scatter_(-1, cand, vals)

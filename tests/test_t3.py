@@ -1,0 +1,176 @@
+"""The T3 head end to end on the tiny model: cache, fit, file, decoding, import, evaluation, CLI."""
+
+import json
+import statistics
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from clients.cli import main
+from heads.cache import build_cache
+from heads.decode import generate
+from heads.demo.corpus import split_by_author
+from heads.guide import PRESETS, HeadGuide, TiltSettings
+from heads.head import BaseMismatch, HeadFileError, HeadInfo, T3Head, load_head, save_head
+from heads.metrics import rouge_l_recall
+from heads.records import examples, question_prompt
+from heads.reference import import_reference
+from heads.sampling import SamplingParams
+from heads.t3 import train_head
+from heads.tilt import guided_logits
+
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def split(tiny_records):
+    return split_by_author(tiny_records, 1)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_lm, split):
+    return train_head(tiny_lm, *split, progress=False)
+
+
+def _rouge(lm, records, guide=None):
+    outs = generate(lm.model, lm.tokenizer, [question_prompt(r["question"]) for r in records], GREEDY, guide)
+    return statistics.fmean(rouge_l_recall(r["answer"], o.text) for r, o in zip(records, outs))
+
+
+def test_fresh_head_is_neutral_and_training_separates_forget_from_retain(tiny_lm, trained):
+    d, vocab = tiny_lm.model.config.hidden_size, tiny_lm.model.config.vocab_size
+    fresh = T3Head(d, vocab, 4)
+    z = fresh(torch.randn(3, d))
+    assert torch.equal(z, torch.zeros_like(z)), "W_up starts at zero: every token neutral"
+    head, info = trained
+    m = info.metrics
+    assert m["heldout_auc"] > 0.8 and m["heldout_probe_auc"] > 0.9
+    assert {"heldout_acc_retain", "heldout_acc_forget", "cache_seconds", "fit_seconds"} <= m.keys()
+    assert info.base_fingerprint == tiny_lm.fingerprint and info.rank == 20
+
+
+def test_head_makes_the_model_forget_the_forget_author_and_keep_the_rest(tiny_lm, trained, split):
+    head, _ = trained
+    forget, retain = split
+    guide = HeadGuide.uniform(head, TiltSettings())
+    base_f, base_r = _rouge(tiny_lm, forget), _rouge(tiny_lm, retain)
+    assert base_f > 0.9
+    assert _rouge(tiny_lm, forget, guide) < 0.6 * base_f
+    assert _rouge(tiny_lm, retain, guide) >= 0.97 * base_r
+
+
+def test_batch_rows_with_different_heads_and_settings_equal_each_row_alone(tiny_lm, trained, split):
+    head, _ = trained
+    other = T3Head(head.down.in_features, head.up.out_features, 3)
+    torch.nn.init.normal_(other.up.weight, std=3.0)
+    other.eval().requires_grad_(False)
+    forget, retain = split
+    prompts = [question_prompt(r["question"]) for r in (forget[:2] + retain[:2])]
+    rows = [(head, PRESETS["default"]), (other, PRESETS["paper"]), None, (head, TiltSettings(T=2.0, lam=1.0))]
+    together = generate(tiny_lm.model, tiny_lm.tokenizer, prompts, GREEDY, HeadGuide(rows))
+    for prompt, row, got in zip(prompts, rows, together):
+        alone = generate(tiny_lm.model, tiny_lm.tokenizer, [prompt], GREEDY, HeadGuide([row]))[0]
+        assert got.token_ids == alone.token_ids
+    plain = generate(tiny_lm.model, tiny_lm.tokenizer, prompts[2:3], GREEDY)[0]
+    assert together[2].token_ids == plain.token_ids, "a row without a head decodes from the model alone"
+
+
+def test_cache_spills_to_disk_beyond_its_memory_budget_with_the_same_contents(tiny_lm, split, tmp_path):
+    forget, retain = (examples(s) for s in split)
+    in_memory = build_cache(tiny_lm.model, tiny_lm.tokenizer, forget, retain, progress=False)
+    on_disk = build_cache(tiny_lm.model, tiny_lm.tokenizer, forget, retain, memory_budget=0, spill_dir=tmp_path,
+                          progress=False)
+    assert isinstance(in_memory.pooled, torch.Tensor) and not isinstance(on_disk.pooled, torch.Tensor)
+    assert list(tmp_path.glob("*/pooled.npy"))
+    idx = torch.arange(len(in_memory))
+    torch.testing.assert_close(in_memory.rows(idx), on_disk.rows(idx))
+    assert torch.equal(in_memory.target, on_disk.target) and torch.equal(in_memory.label, on_disk.label)
+    assert int((in_memory.label == 0).sum()) > 0 and in_memory.n_forget == 20
+
+
+def test_head_file_round_trip_and_every_check(tiny_lm, trained, tmp_path):
+    head, info = trained
+    path = tmp_path / "h.safetensors"
+    save_head(path, head, info)
+    assert path.stat().st_size < 1_000_000 and not list(tmp_path.glob(".*.tmp"))
+    loaded, info2 = load_head(path, tiny_lm.fingerprint, info.vocab, info.d)
+    assert info2.metrics == info.metrics and info2.profile == info.profile
+    p = torch.randn(2, info.d)
+    torch.testing.assert_close(loaded(p), head(p))
+    with pytest.raises(BaseMismatch, match="trained on base model"):
+        load_head(path, "0" * 16)
+    with pytest.raises(BaseMismatch, match="vocabulary"):
+        load_head(path, vocab=info.vocab + 1)
+    bad = dict(head.state_dict())
+    bad["up.weight"] = bad["up.weight"].clone()
+    bad["up.weight"][0, 0] = float("nan")
+    save_file(bad, str(tmp_path / "nan.safetensors"), metadata={"lethe": json.dumps(info.__dict__)})
+    with pytest.raises(HeadFileError, match="up.weight holds NaN or Inf"):
+        load_head(tmp_path / "nan.safetensors")
+    wrong = HeadInfo(**{**info.__dict__, "rank": info.rank + 1})
+    save_file(dict(head.state_dict()), str(tmp_path / "shape.safetensors"), metadata={"lethe": json.dumps(wrong.__dict__)})
+    with pytest.raises(HeadFileError, match="down.weight has shape"):
+        load_head(tmp_path / "shape.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(HeadFileError, match="not a safetensors file"):
+        load_head(tmp_path / "junk.safetensors")
+    save_file(dict(head.state_dict()), str(tmp_path / "nometa.safetensors"))
+    with pytest.raises(HeadFileError, match="no Lethe metadata"):
+        load_head(tmp_path / "nometa.safetensors")
+
+
+def _reference_save(folder, d, vocab, rank=6, extraction_layer=-1):
+    folder.mkdir()
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, d, generator=g),
+               "guidance_head.proj.0.weight": torch.randn(rank, d, generator=g),
+               "guidance_head.proj.2.weight": torch.randn(vocab, rank, generator=g)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "base_temp": 2.5, "guidance_scale": 1.0,
+                                                    "extraction_layer": extraction_layer, "pooling": "mean"}))
+    return tensors
+
+
+def test_import_reference_keeps_its_weights_and_formula(tiny_lm, tmp_path):
+    d, vocab = tiny_lm.model.config.hidden_size, tiny_lm.model.config.vocab_size
+    tensors = _reference_save(tmp_path / "ref", d, vocab)
+    head, info = import_reference(tmp_path / "ref", tiny_lm.fingerprint, d, vocab)
+    assert info.profile == {"T": 2.5, "lam": 1.0, "gate": False, "candidates": 0}
+    pooled, logits = torch.randn(3, d), torch.randn(3, vocab)
+    z_ref = pooled @ tensors["guidance_head.proj.0.weight"].T @ tensors["guidance_head.proj.2.weight"].T
+    guide = HeadGuide.uniform(head, TiltSettings(**info.profile))
+    want = guided_logits(logits, z_ref, torch.full((3,), 2.5), torch.ones(3))
+    torch.testing.assert_close(guide(logits, pooled), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(HeadFileError, match="do not fit"):
+        import_reference(tmp_path / "ref", tiny_lm.fingerprint, d + 1, vocab)
+    _reference_save(tmp_path / "mid", d, vocab, extraction_layer=0)
+    with pytest.raises(HeadFileError, match="extraction_layer 0"):
+        import_reference(tmp_path / "mid", tiny_lm.fingerprint, d, vocab, num_layers=2)
+
+
+def test_cli_train_generate_and_eval_offline(tiny_model_dir, split, tmp_path):
+    forget, retain = split
+    for name, recs in (("forget", forget), ("retain", retain)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    head = tmp_path / "head.safetensors"
+    assert main(["heads", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--out", str(head), "--quiet"]) == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": question_prompt(r["question"])}) + "\n" for r in forget[:3]))
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(tiny_model_dir), "--head", str(head), "--input", str(prompts),
+                 "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(set(r) == {"prompt", "text"} for r in rows)
+    report, plot = tmp_path / "report.json", tmp_path / "plot.png"
+    assert main(["eval", "--model", str(tiny_model_dir), "--head", str(head), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--reference-model", str(tiny_model_dir),
+                 "--seeds", "0", "--out", str(report), "--plot", str(plot)]) == 0
+    r = json.loads(report.read_text())
+    assert 0 <= r["forget_quality"] <= 1 and 0 <= r["model_utility"] <= 1
+    for key in ("rouge", "rouge_paraphrased", "rouge_sampled", "prob", "truth_ratio", "nonword_rate",
+                "repeated_3gram_rate", "reference_nll"):
+        assert r["forget"][key] is not None
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["generate", "--model", str(tiny_model_dir), "--T", "2", "hello"]) == 1, "--T without --head"
