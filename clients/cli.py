@@ -87,6 +87,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None,
                    help="temper and tilt only as far as the context is forget-like")
     p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")
+    p.add_argument("--cap", type=float, help="flagged tokens score at most the best other token minus CAP")
+    p.add_argument("--no-cap", action="store_true", help="turn the spike cap off")
 
 
 def _profile(args, lm):
@@ -95,12 +97,13 @@ def _profile(args, lm):
     from heads.head import load_head
 
     if args.head is None:
-        if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates)):
-            raise ValueError("--preset, --T, --lam, --gate and --candidates need --head")
+        if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates, args.cap)):
+            raise ValueError("--preset, --T, --lam, --gate, --candidates and --cap need --head")
         return None, None
     head, info = load_head(args.head, lm.fingerprint, lm.model.config.vocab_size, lm.model.config.hidden_size)
-    base = PRESETS[args.preset] if args.preset else TiltSettings().replace(**info.profile)
-    return head, base.replace(T=args.T, lam=args.lam, gate=args.gate, candidates=args.candidates)
+    base = PRESETS[args.preset] if args.preset else TiltSettings.from_dict(info.profile)
+    settings = base.replace(T=args.T, lam=args.lam, gate=args.gate, candidates=args.candidates, cap=args.cap)
+    return head, (settings.replace() if not args.no_cap else TiltSettings(**{**settings.as_dict(), "cap": None}))
 
 
 def cmd_generate(args) -> int:

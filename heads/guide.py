@@ -18,13 +18,22 @@ from heads.tilt import candidates_of, tilt, tilt_among
 
 @dataclass(frozen=True)
 class TiltSettings:
-    T: float = 1.5
-    lam: float = 4.0
+    T: float = 1.0
+    lam: float = 1.0
     gate: bool = True  # temper and tilt only as far as the context is forget-like
     candidates: int = 20  # tilt among the base model's k most likely tokens; 0 = all tokens
+    cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TiltSettings":
+        """Settings as stored (a head file's recommendation, a profile); missing keys take defaults."""
+        unknown = set(values) - set(asdict(TiltSettings()))
+        if unknown:
+            raise ValueError(f"unknown profile settings: {', '.join(sorted(unknown))}")
+        return cls(**{**asdict(TiltSettings()), **values}).replace()
 
     def replace(self, **changes) -> "TiltSettings":
         """These settings with some fields changed (None values are ignored); checks the values."""
@@ -39,12 +48,14 @@ class TiltSettings:
             raise ValueError(f"lam: must be in [0, 1000], got {out.lam}")
         if out.candidates < 0:
             raise ValueError(f"candidates: must be >= 0, got {out.candidates}")
+        if out.cap is not None and not (0 <= out.cap <= 100):
+            raise ValueError(f"cap: must be in [0, 100] or null, got {out.cap}")
         return out
 
 
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
-    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, candidates=0),
+    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, candidates=0, cap=None),
     "default": TiltSettings(),
 }
 
@@ -82,6 +93,8 @@ class HeadGuide:
                            torch.tensor([x.T for x in s], device=device),
                            torch.tensor([x.lam for x in s], device=device),
                            torch.tensor([x.candidates for x in s], device=device),
+                           torch.tensor([-1.0 if x.cap is None else x.cap for x in s], device=device)
+                           if any(x.cap is not None for x in s) else None,
                            torch.tensor([x.gate for x in s], device=device) if any(x.gate for x in s) else None))
         return groups
 
@@ -91,7 +104,7 @@ class HeadGuide:
         if not self._groups:
             return logits
         out = None
-        for head, rows, T, lam, k, gate_on in self._groups:
+        for head, rows, T, lam, k, cap, gate_on in self._groups:
             x, p = (logits, pooled) if rows is None else (logits[rows], pooled[rows])
             gate = None
             if gate_on is not None:
@@ -99,9 +112,9 @@ class HeadGuide:
                 gate = gate if bool(gate_on.all()) else torch.where(gate_on, gate, torch.ones_like(T))
             if bool((k > 0).all()):  # only the candidates' terms are needed
                 cand = candidates_of(x, k)
-                tilted = tilt_among(x, cand, head.logits_at(p, cand), T, lam, gate)
+                tilted = tilt_among(x, cand, head.logits_at(p, cand), T, lam, gate, cap)
             else:
-                tilted = tilt(x, head(p), T, lam, gate, k)
+                tilted = tilt(x, head(p), T, lam, gate, k, cap)
             if rows is None:
                 return tilted
             if out is None:

@@ -65,7 +65,7 @@ def import_reference(folder: str | Path, base_fingerprint: str, d: int, vocab: i
     head = T3Head(d, vocab, rank, bias=False, probe=False)
     head.load_state_dict({"down.weight": down, "up.weight": up})
     settings = TiltSettings(T=float(config["base_temp"]), lam=float(config["guidance_scale"]), gate=False,
-                            candidates=0)
+                            candidates=0, cap=None)
     info = HeadInfo(base_fingerprint=base_fingerprint, d=d, vocab=vocab, rank=rank, profile=settings.as_dict(),
                     training={"imported_from": str(folder)})
     return head.eval().requires_grad_(False), info

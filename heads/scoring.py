@@ -51,7 +51,8 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
                 n = len(logits)
                 full = lambda v: torch.full((n,), float(v), device=device)  # noqa: E731
                 gate = head.forget_probability(pooled) if s.gate else None
-                logits = tilt(logits, head(pooled), full(s.T), full(s.lam), gate)
+                cap = full(s.cap) if s.cap is not None else None
+                logits = tilt(logits, head(pooled), full(s.T), full(s.lam), gate, cap=cap)
             target = ids[r, n_prompt:len(seq)]
             out[i] = float(torch.nn.functional.cross_entropy(logits, target))
     return out

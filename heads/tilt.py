@@ -5,12 +5,16 @@ The reference (open-unlearning's `T3CausalLM._guide_logits`, `base_temp` = T,
 
     guided = log_softmax(logits) / T + lam * logsigmoid(z)
 
-Lethe adds two optional refinements, each a plain tensor operation:
+Lethe adds three optional refinements, each a plain tensor operation:
 
 * gate: a per-row weight g in [0, 1] (how forget-like the context is, from a
   sequence-level probe). Tempering and tilt scale with it: T_eff = 1 + (T-1) g,
   lam_eff = lam g, so a retain context (g = 0) is decoded from the base model
   unchanged.
+* cap: in a forget-like context, a token the head flags (z < 0) may score at most
+  the best unflagged token minus a margin: the memorised spike falls just below the
+  likeliest alternative, so greedy decoding never follows it, yet its probability
+  stays comparable to other answers'.
 * candidates: only the base model's own k most likely tokens (untempered) may be
   chosen; the tilt re-ranks among them and never promotes a token the base
   model finds implausible (the word fragments the reference produces).
@@ -44,13 +48,31 @@ def restrict_to_candidates(guided: torch.Tensor, logits: torch.Tensor, k: torch.
     return guided.masked_fill(logits.float() < kth, float("-inf"))
 
 
+def cap_flagged(guided: torch.Tensor, head_logits: torch.Tensor, margin: torch.Tensor,
+                active: torch.Tensor) -> torch.Tensor:
+    """Where `active`, a token the head calls forget-like (z < 0: forget likelier than retain) may
+    not score above the best unflagged token minus `margin`, so a memorised spike drops just below
+    the likeliest alternative, and no further: the answer's probability is not pushed far below
+    that of other answers (which would give the forgetting away in the truth ratio)."""
+    flagged = (head_logits < 0) & active[:, None]
+    best_free = guided.masked_fill(flagged, float("-inf")).amax(-1, keepdim=True)
+    capped = torch.minimum(guided, best_free - margin[:, None])
+    return torch.where(flagged & torch.isfinite(best_free), capped, guided)
+
+
 def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor,
-         gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
-    """Guided logits with Lethe's optional gate and candidate restriction."""
+         gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+         cap: torch.Tensor | None = None) -> torch.Tensor:
+    """Guided logits with Lethe's optional gate, spike cap and candidate restriction."""
+    active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
     if gate is not None:
         T, lam = gated(T, lam, gate)
     out = guided_logits(logits, head_logits, T, lam)
-    return out if candidates is None else restrict_to_candidates(out, logits, candidates)
+    if candidates is not None:
+        out = restrict_to_candidates(out, logits, candidates)
+    if cap is not None:  # after the restriction: the best alternative is a candidate
+        out = cap_flagged(out, head_logits, cap, active & (cap >= 0))
+    return out
 
 
 def candidates_of(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -65,15 +87,18 @@ def candidates_of(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def tilt_among(logits: torch.Tensor, cand: torch.Tensor, cand_head_logits: torch.Tensor, T: torch.Tensor,
-               lam: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+               lam: torch.Tensor, gate: torch.Tensor | None = None, cap: torch.Tensor | None = None) -> torch.Tensor:
     """`tilt` with candidates, computed on the candidates only: -inf everywhere else.
 
     cand (B, k) from `candidates_of`; cand_head_logits (B, k) the head's logits at those tokens.
     Equal to `tilt(..., candidates=k)`, but only the log-normaliser touches the whole vocabulary.
     """
+    active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
     if gate is not None:
         T, lam = gated(T, lam, gate)
     x = logits.float()
     logp = x.gather(-1, cand) - torch.logsumexp(x, dim=-1, keepdim=True)
     vals = logp / T[:, None] + lam[:, None] * F.logsigmoid(cand_head_logits.float())
+    if cap is not None:
+        vals = cap_flagged(vals, cand_head_logits, cap, active & (cap >= 0))
     return torch.full_like(x, float("-inf")).scatter_(-1, cand, vals)

@@ -62,3 +62,29 @@ def test_tilt_among_candidates_equals_the_dense_tilt():
     sparse = tilt_among(logits, cand, z.gather(1, cand), T, lam, gate)
     assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
     torch.testing.assert_close(sparse[torch.isfinite(sparse)], dense[torch.isfinite(dense)])
+
+
+def test_cap_drops_a_flagged_spike_just_below_the_best_unflagged_token():
+    logits = torch.tensor([[8.0, 2.0, 1.0, 0.0], [8.0, 2.0, 1.0, 0.0]])
+    z = torch.tensor([[-5.0, 1.0, -1.0, 2.0], [-5.0, 1.0, -1.0, 2.0]])  # tokens 0 and 2 flagged
+    T, lam, margin = torch.ones(2), torch.zeros(2), torch.full((2,), 0.5)
+    gate = torch.tensor([1.0, 0.0])  # row 1: a retain context, no cap
+    out = tilt(logits, z, T, lam, gate=gate, cap=margin)
+    base = torch.log_softmax(logits, -1)
+    assert out[0].argmax() == 1
+    torch.testing.assert_close(out[0, 0], base[0, 1] - 0.5)  # capped at best unflagged - margin
+    torch.testing.assert_close(out[0, 2], base[0, 2])  # already below the cap: unchanged
+    torch.testing.assert_close(out[0, [1, 3]], base[0, [1, 3]])
+    torch.testing.assert_close(out[1], base[1])
+
+
+def test_cap_among_candidates_equals_the_dense_cap():
+    g = torch.Generator().manual_seed(5)
+    logits, z = torch.randn(3, 80, generator=g) * 4, torch.randn(3, 80, generator=g) * 3
+    T, lam, k = torch.tensor([1.0, 2.0, 1.5]), torch.tensor([1.0, 0.5, 2.0]), torch.tensor([20, 5, 12])
+    gate, cap = torch.tensor([0.9, 0.7, 0.2]), torch.tensor([0.5, 1.0, 0.5])
+    dense = tilt(logits, z, T, lam, gate, k, cap)
+    cand = candidates_of(logits, k)
+    sparse = tilt_among(logits, cand, z.gather(1, cand), T, lam, gate, cap)
+    assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
+    torch.testing.assert_close(sparse[torch.isfinite(sparse)], dense[torch.isfinite(dense)])
