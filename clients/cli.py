@@ -203,20 +203,50 @@ def cmd_bench_t3(args) -> int:
     lm = load_model(args.model, args.device, args.dtype)
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
     head, _ = _profile(args, lm) if args.head else train_head(lm, forget, retain, progress=False)
-    result = bench_t3(lm, forget, retain, head, repeats=args.repeats)
+    if args.random_model:
+        from heads.bench import random_model
+
+        hidden, layers = (int(x) for x in args.random_model.split(","))
+        lm, head = random_model(lm, hidden, layers)
+        print(f"random Llama, hidden {hidden}, {layers} layers: "
+              f"{sum(p.numel() for p in lm.model.parameters()) / 1e6:.1f}M parameters, random head")
+    result = bench_t3(lm, forget, retain, head, repeats=args.repeats, training=not args.random_model)
     for row in result["decode"]:
         print(f"decode batch {row['batch']}: T3 / no head = {row['t3_over_no_head']:.3f}x, "
               f"Lethe speed / model.generate = {row['lethe_speedup_over_hf_generate']:.3f}x "
               f"(no head {row['no_head_s']:.3f} s, T3 {row['t3_s']:.3f} s, generate {row['hf_generate_s']:.3f} s, "
               f"{row['new_tokens']} tokens)")
-    t = result["training"]
-    print(f"training on {t['records']} records: Lethe cache {t['cache_s']:.2f} s + fit {t['fit_s']:.2f} s "
-          f"= {t['lethe_total_s']:.2f} s; one reference epoch {t['reference_epoch_s']:.2f} s, "
-          f"100 epochs {t['reference_100_epochs_s']:.0f} s ({t['reference_over_lethe']:.0f}x Lethe)")
+    t = result.get("training")
+    if t:
+        print(f"training on {t['records']} records: Lethe cache {t['cache_s']:.2f} s + fit {t['fit_s']:.2f} s "
+              f"= {t['lethe_total_s']:.2f} s; one reference epoch {t['reference_epoch_s']:.2f} s, "
+              f"100 epochs {t['reference_100_epochs_s']:.0f} s ({t['reference_over_lethe']:.0f}x Lethe)")
     if args.out:
         from heads.io import atomic_write_text
 
         atomic_write_text(args.out, json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_bench_quality(args) -> int:
+    from heads.ablation import markdown_header, markdown_row, quality_table
+    from heads.evaluate import EvalConfig, plot_reports
+    from heads.io import atomic_write_text
+    from heads.modelio import load_model
+    from heads.records import read_jsonl
+
+    lm = load_model(args.model, args.device, args.dtype)
+    reference = load_model(args.reference_model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    print(markdown_header(), flush=True)
+    rows = quality_table(lm, reference, forget, retain, EvalConfig(seeds=tuple(args.seeds)),
+                         log=lambda line: print(line, flush=True))
+    if args.out:
+        atomic_write_text(args.out, json.dumps([{"label": label, **r} for label, r in rows], indent=2))
+        atomic_write_text(args.out.with_suffix(".md"), "\n".join([markdown_header()] +
+                                                                   [markdown_row(*r) for r in rows]) + "\n")
+    if args.plot:
+        plot_reports([{**r, "profile": label} for label, r in rows[:4]], args.plot)
     return 0
 
 
@@ -317,8 +347,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forget", type=Path, required=True)
     p.add_argument("--retain", type=Path, required=True)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--random-model", metavar="HIDDEN,LAYERS",
+                   help="decode with a randomly initialised Llama of this size (same tokenizer) instead")
     p.add_argument("--out", type=Path, help="JSON results")
     p.set_defaults(func=cmd_bench_t3)
+
+    p = bench.add_parser("t3-quality", help="the quality table: full model, reference, paper, default, ablations")
+    _add_model_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--reference-model", type=Path, required=True, help="a model never trained on the forget set")
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
+    p.add_argument("--plot", type=Path, help="PNG of the first four rows")
+    p.set_defaults(func=cmd_bench_quality)
     return parser
 
 

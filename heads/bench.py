@@ -88,6 +88,30 @@ def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100
             "reference_over_lethe": round(epoch * epochs / ours, 1)}
 
 
-def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 5) -> dict:
+def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 5,
+             training: bool = True) -> dict:
     prompts = [question_prompt(r["question"]) for r in (forget + retain)[::97][:8]]
-    return {"decode": bench_decode(lm, head, prompts, repeats=repeats), "training": bench_training(lm, forget, retain)}
+    out = {"decode": bench_decode(lm, head, prompts, repeats=repeats)}
+    if training:
+        out["training"] = bench_training(lm, forget, retain)
+    return out
+
+
+def random_model(lm, hidden: int, layers: int):
+    """A randomly initialised Llama of the given size on `lm`'s tokenizer, with a random head and probe:
+    the per-token cost of T3 does not depend on what the weights are."""
+    from dataclasses import replace as dc_replace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = lm.model.config
+    config = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=cfg.max_position_embeddings,
+                         tie_word_embeddings=True, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                         pad_token_id=cfg.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    head = T3Head(hidden, cfg.vocab_size, 20)
+    torch.nn.init.normal_(head.up.weight, std=0.5)
+    return dc_replace(lm, model=model), head.eval().requires_grad_(False)

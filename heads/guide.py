@@ -95,7 +95,8 @@ class HeadGuide:
                            torch.tensor([x.candidates for x in s], device=device),
                            torch.tensor([-1.0 if x.cap is None else x.cap for x in s], device=device)
                            if any(x.cap is not None for x in s) else None,
-                           torch.tensor([x.gate for x in s], device=device) if any(x.gate for x in s) else None))
+                           torch.tensor([x.gate for x in s], device=device) if any(x.gate for x in s) else None,
+                           all(x.candidates > 0 for x in s), all(x.gate for x in s)))
         return groups
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -104,16 +105,17 @@ class HeadGuide:
         if not self._groups:
             return logits
         out = None
-        for head, rows, T, lam, k, cap, gate_on in self._groups:
+        for head, rows, T, lam, k, cap, gate_on, all_candidates, all_gated in self._groups:
             x, p = (logits, pooled) if rows is None else (logits[rows], pooled[rows])
-            gate = None
-            if gate_on is not None:
-                gate = head.forget_probability(p)
-                gate = gate if bool(gate_on.all()) else torch.where(gate_on, gate, torch.ones_like(T))
-            if bool((k > 0).all()):  # only the candidates' terms are needed
+            if all_candidates:  # only the candidates' terms are needed
                 cand = candidates_of(x, k)
-                tilted = tilt_among(x, cand, head.logits_at(p, cand), T, lam, gate, cap)
+                forget_p, z = head.decode_terms(p, cand)
+                gate = None if gate_on is None else forget_p if all_gated else torch.where(gate_on, forget_p, 1.0)
+                tilted = tilt_among(x, cand, z, T, lam, gate, cap)
             else:
+                gate = None
+                if gate_on is not None:
+                    gate = torch.where(gate_on, head.forget_probability(p), 1.0)
                 tilted = tilt(x, head(p), T, lam, gate, k, cap)
             if rows is None:
                 return tilted

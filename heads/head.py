@@ -67,6 +67,25 @@ class T3Head(torch.nn.Module):
         z = torch.einsum("br,bkr->bk", u, self.up.weight[tokens])
         return z + self.up.bias[tokens] if self.up.bias is not None else z
 
+    def decode_terms(self, pooled: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For decoding: (forget probability (B,), logits of k tokens per row (B, k)) with one matmul.
+
+        The down projection and the probe share one (r + 1, d) weight, built once (heads are frozen
+        while they serve).
+        """
+        fused = getattr(self, "_fused", None)
+        if fused is None:
+            w = [self.down.weight] + ([self.probe.weight] if self.probe is not None else [])
+            fused = self._fused = torch.cat(w).detach()
+        h = pooled.to(fused.dtype) @ fused.T
+        u = h[:, : self.rank]
+        z = torch.bmm(self.up.weight[tokens], u[:, :, None])[:, :, 0]
+        if self.up.bias is not None:
+            z = z + self.up.bias[tokens]
+        if self.probe is None:
+            return torch.ones(pooled.shape[0], device=pooled.device), z
+        return torch.sigmoid(-(h[:, self.rank] + self.probe.bias)).float(), z
+
     def token_logit(self, pooled: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """(N, d), (N,) -> (N,): the logit of one token per row, without forming the (N, V) matrix."""
         u = self.down(pooled.to(self.down.weight.dtype))

@@ -91,14 +91,15 @@ def tilt_among(logits: torch.Tensor, cand: torch.Tensor, cand_head_logits: torch
     """`tilt` with candidates, computed on the candidates only: -inf everywhere else.
 
     cand (B, k) from `candidates_of`; cand_head_logits (B, k) the head's logits at those tokens.
-    Equal to `tilt(..., candidates=k)`, but only the log-normaliser touches the whole vocabulary.
+    Equal to `tilt(..., candidates=k)` up to a constant per row (the log-normaliser, skipped: it
+    changes neither the sampling distribution, nor the argmax, nor the cap), and touches the
+    vocabulary only to pick the candidates and to write the output.
     """
     active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
     if gate is not None:
         T, lam = gated(T, lam, gate)
     x = logits.float()
-    logp = x.gather(-1, cand) - torch.logsumexp(x, dim=-1, keepdim=True)
-    vals = logp / T[:, None] + lam[:, None] * F.logsigmoid(cand_head_logits.float())
+    vals = x.gather(-1, cand) / T[:, None] + lam[:, None] * F.logsigmoid(cand_head_logits.float())
     if cap is not None:
         vals = cap_flagged(vals, cand_head_logits, cap, active & (cap >= 0))
     return torch.full_like(x, float("-inf")).scatter_(-1, cand, vals)

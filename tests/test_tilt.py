@@ -61,7 +61,8 @@ def test_tilt_among_candidates_equals_the_dense_tilt():
     cand = candidates_of(logits, k)
     sparse = tilt_among(logits, cand, z.gather(1, cand), T, lam, gate)
     assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
-    torch.testing.assert_close(sparse[torch.isfinite(sparse)], dense[torch.isfinite(dense)])
+    # equal up to a constant per row: the same distribution
+    torch.testing.assert_close(torch.softmax(sparse, -1), torch.softmax(dense, -1))
 
 
 def test_cap_drops_a_flagged_spike_just_below_the_best_unflagged_token():
@@ -87,4 +88,4 @@ def test_cap_among_candidates_equals_the_dense_cap():
     cand = candidates_of(logits, k)
     sparse = tilt_among(logits, cand, z.gather(1, cand), T, lam, gate, cap)
     assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
-    torch.testing.assert_close(sparse[torch.isfinite(sparse)], dense[torch.isfinite(dense)])
+    torch.testing.assert_close(torch.softmax(sparse, -1), torch.softmax(dense, -1))
