@@ -42,7 +42,9 @@ class PooledCache:
 
 @torch.inference_mode()
 def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], batch_size: int = 32,
-                memory_budget: int = 2 << 30, spill_dir: Path | None = None, progress: bool = True) -> PooledCache:
+                memory_budget: int = 2 << 30, spill_dir: Path | None = None, progress: bool = True,
+                on_progress=None) -> PooledCache:
+    """`on_progress(fraction)` is called after every batch (it may raise to stop the pass)."""
     device = next(model.parameters()).device
     encoded = [encode_example(tokenizer, ex) for ex in forget + retain]
     labels = [0] * len(forget) + [1] * len(retain)
@@ -77,6 +79,8 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
             target[lo:hi] = torch.tensor(seq[n_prompt:])
             label[lo:hi] = labels[i]
             record[lo:hi] = i
+        if on_progress is not None:
+            on_progress(min(1.0, (b + batch_size) / len(order)))
     if isinstance(pooled, np.memmap):
         pooled.flush()
     return PooledCache(pooled, target, label, record, len(forget), len(retain))

@@ -83,8 +83,9 @@ def _losses(head: T3Head, pooled, target, label, weight, head_weight):
     return loss, z
 
 
-def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progress: bool = True):
-    """Train a head on `cache`; returns (head, metrics)."""
+def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progress: bool = True,
+             on_progress=None):
+    """Train a head on `cache`; returns (head, metrics). `on_progress(fraction)` after every epoch."""
     cfg = cfg or FitConfig()
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
@@ -117,6 +118,8 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+        if on_progress is not None:
+            on_progress((epoch + 1) / cfg.max_epochs)
         if held is None:
             continue
         head.eval()

@@ -1,21 +1,29 @@
-"""The FastAPI application: routes over the engine."""
+"""The FastAPI application: storage, engine, jobs and routes wired together."""
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from heads.modelio import LoadedModel, load_model
+from server import openai_api, routes
+from server.auth import optional_tenant
 from server.engine import Engine, QueueFull
-from server.protocol import GenerateRequest, GenerateResponse, Health, Ready, Usage
+from server.generation import admit, complete, stream
+from server.jobs import JobRunner
+from server.metrics import Metrics
+from server.profiles import HeadCache
+from server.protocol import GenerateRequest, GenerateResponse, Health, ProfileUsed, Ready, Usage
 from server.settings import Settings
+from server.storage import Store
 
-
-def field_error(field: str, message: str, status: int = 422) -> HTTPException:
-    """An error in FastAPI's validation format, naming the body field."""
-    return HTTPException(status, detail=[{"loc": ["body", field], "msg": message, "type": "value_error"}])
+log = logging.getLogger("lethe")
 
 
 class JSONByDefault:
@@ -37,48 +45,89 @@ class JSONByDefault:
         await self.app(scope, receive, send)
 
 
+def clean_temporary_files(store: Store) -> int:
+    """Remove half-written files a crash left behind (atomic writes use `.<name>.*.tmp`)."""
+    removed = 0
+    for tmp in store.dir.rglob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         model = lm or load_model(settings.model, settings.device, settings.dtype)
-        app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue)
+        store = Store(settings.data_dir)
+        removed = clean_temporary_files(store)
+        if removed:
+            log.warning("removed %d temporary files left by an interrupted write", removed)
+        if settings.demo_tenant and not store.q("SELECT id FROM tenants LIMIT 1"):
+            _, key = store.create_tenant("demo")
+            print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)
+        app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics()
+        app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics)
+        app.state.heads = HeadCache(store, model, settings.head_cache_size)
+        app.state.jobs = JobRunner(store, model, app.state.metrics)
         try:
             yield
         finally:
+            app.state.jobs.close()
             app.state.engine.close()
+            store.close()
 
     app = FastAPI(title="Lethe", summary="Inference-time unlearning server", lifespan=lifespan)
     app.add_middleware(JSONByDefault)
+    app.include_router(routes.router)
+    app.include_router(openai_api.router)
+
+    @app.middleware("http")
+    async def access_log(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        if hasattr(request.app.state, "metrics"):
+            request.app.state.metrics.requests.labels(path, str(response.status_code)).inc()
+        log.info(json.dumps({"method": request.method, "path": path, "status": response.status_code,
+                             "ms": round(1000 * (time.perf_counter() - started), 1)}))
+        return response
 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):
         return JSONResponse({"detail": f"server busy: {exc}"}, status_code=429, headers={"Retry-After": "1"})
 
-    @app.get("/healthz", response_model=Health)
+    @app.get("/healthz", response_model=Health, tags=["operations"])
     async def healthz() -> Health:
         return Health()
 
-    @app.get("/readyz", response_model=Ready)
+    @app.get("/readyz", response_model=Ready, tags=["operations"])
     async def readyz(request: Request) -> Ready:
         engine: Engine = request.app.state.engine
         return Ready(model=str(engine.lm.path), fingerprint=engine.lm.fingerprint)
 
-    @app.post("/generate", response_model=GenerateResponse)
-    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
-        engine: Engine = request.app.state.engine
-        if body.max_new_tokens > settings.max_new_tokens_limit:
-            raise field_error("max_new_tokens", f"must be at most {settings.max_new_tokens_limit}")
-        prompt_tokens = engine.count_tokens(body.prompt)
-        if prompt_tokens == 0:
-            raise field_error("prompt", "encodes to no tokens")
-        if prompt_tokens + body.max_new_tokens > engine.context_length:
-            raise field_error("prompt", f"{prompt_tokens} prompt tokens + max_new_tokens {body.max_new_tokens} "
-                                        f"exceed the model's context of {engine.context_length} tokens")
-        done = await engine.generate(body.prompt, body.sampling())
-        return GenerateResponse(text=done.text, finish_reason=done.finish_reason,
-                                usage=Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                                            total_tokens=done.prompt_tokens + done.completion_tokens))
+    @app.get("/metrics", tags=["operations"])
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/generate", response_model=GenerateResponse, tags=["generation"])
+    async def generate(body: GenerateRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+        """Generate text; `profile` picks an unlearning profile (a name, `base`, or an inline spec)."""
+        profile = body.profile.spec() if hasattr(body.profile, "spec") else body.profile
+        params = body.sampling()
+        resolved, _ = admit(request, tenant_id, body.prompt, params, profile)
+        used = ProfileUsed(name=resolved.name, version=resolved.version)
+
+        def response(c) -> GenerateResponse:
+            return GenerateResponse(text=c.text, finish_reason=c.finish_reason, profile=used,
+                                    usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                                                total_tokens=c.prompt_tokens + c.completion_tokens))
+
+        if body.stream:
+            return stream(request, body.prompt, params, resolved, lambda t: {"text": t},
+                          lambda c: response(c).model_dump() | {"text": ""})
+        return response(await complete(request, body.prompt, params, resolved))
 
     return app

@@ -38,8 +38,30 @@ class SamplingFields(Strict):
                               top_k=self.top_k, seed=self.seed, stop=[s for s in self.stop if s])
 
 
+class ProfileSpec(Strict):
+    """An unlearning profile: which backend, which head, and the tilt settings.
+
+    Settings left out come from `preset`, else from the head's own recommendation.
+    """
+
+    backend: Literal["t3", "base", "asu"] = "t3"
+    head: str | None = Field(None, description="Head id (backend t3).")
+    preset: Literal["default", "paper"] | None = None
+    T: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="Tempering temperature.")
+    lam: float | None = Field(None, ge=0, le=1000, allow_inf_nan=False, description="Tilt strength.")
+    gate: bool | None = None
+    candidates: int | None = Field(None, ge=0, le=100_000)
+    cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
+    note: str | None = Field(None, max_length=500, description="Free text kept with the version.")
+
+    def spec(self) -> dict:
+        return self.model_dump(exclude_none=True, exclude={"note"})
+
+
 class GenerateRequest(SamplingFields):
     prompt: str = Field(min_length=1, description="Text to continue.")
+    profile: str | ProfileSpec | None = Field(None, description="A profile name, `base`, or an inline profile.")
+    stream: bool = Field(False, description="Send text as server-sent events.")
 
 
 class Usage(BaseModel):
@@ -48,10 +70,78 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class ProfileUsed(BaseModel):
+    name: str | None
+    version: int | None
+
+
 class GenerateResponse(BaseModel):
     text: str
     finish_reason: Literal["stop", "length", "abort"]
     usage: Usage
+    profile: ProfileUsed | None = None
+
+
+class DatasetOut(BaseModel):
+    id: str
+    name: str | None
+    records: int
+    sha256: str
+    bytes: int
+    created: float
+
+
+class HeadJobRequest(Strict):
+    forget: str = Field(description="Dataset id of the forget set.")
+    retain: str = Field(description="Dataset id of the retain set.")
+    rank: int = Field(20, ge=1, le=1024)
+    lr: float = Field(1e-2, gt=0, le=1, allow_inf_nan=False)
+    weight_decay: float = Field(1e-2, ge=0, le=1, allow_inf_nan=False)
+    max_epochs: int = Field(60, ge=1, le=1000)
+    balance: bool = True
+    common_df: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
+    seed: int = Field(0, ge=0)
+
+
+class JobOut(BaseModel):
+    id: str
+    kind: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    phase: str | None
+    progress: float
+    metrics: dict | None
+    head: str | None = Field(None, description="The head this job made, once it succeeded.")
+    error: str | None
+    created: float
+    started: float | None
+    finished: float | None
+
+
+class HeadOut(BaseModel):
+    id: str
+    job: str | None
+    bytes: int
+    created: float
+    rank: int
+    metrics: dict
+    profile: dict = Field(description="Recommended settings.")
+
+
+class ProfileOut(BaseModel):
+    name: str
+    version: int
+    spec: dict
+    history: list[dict] = []
+
+
+class TenantRequest(Strict):
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+
+
+class TenantOut(BaseModel):
+    id: str
+    name: str
+    api_key: str = Field(description="Shown once; only its hash is stored.")
 
 
 class Health(BaseModel):

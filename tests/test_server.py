@@ -7,8 +7,8 @@ from server.settings import Settings
 
 
 @pytest.fixture(scope="module")
-def client(tiny_lm):
-    settings = Settings(model=tiny_lm.path, max_new_tokens_limit=128)
+def client(tiny_lm, tmp_path_factory):
+    settings = Settings(model=tiny_lm.path, max_new_tokens_limit=128, data_dir=tmp_path_factory.mktemp("data"))
     with TestClient(create_app(settings, tiny_lm)) as c:
         yield c
 

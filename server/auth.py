@@ -1,0 +1,46 @@
+"""Who is calling: a tenant's API key, the admin key, or nobody (base model only, when allowed)."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import HTTPException, Request
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key")
+
+
+def optional_tenant(request: Request) -> str | None:
+    """The caller's tenant id, or None for an anonymous call; a wrong key is 401."""
+    key = bearer(request)
+    if key is None:
+        if request.app.state.settings.allow_anonymous:
+            return None
+        raise HTTPException(401, "an API key is required (Authorization: Bearer <key>)")
+    tenant = request.app.state.store.tenant_for_key(key)
+    if tenant is None:
+        raise HTTPException(401, "unknown API key")
+    return tenant
+
+
+def tenant(request: Request) -> str:
+    """The caller's tenant id; tenant endpoints need a key."""
+    key = bearer(request)
+    if key is None:
+        raise HTTPException(401, "an API key is required (Authorization: Bearer <key>)")
+    found = request.app.state.store.tenant_for_key(key)
+    if found is None:
+        raise HTTPException(401, "unknown API key")
+    return found
+
+
+def admin(request: Request) -> None:
+    expected = request.app.state.settings.admin_key
+    key = bearer(request) or ""
+    if not expected or not hmac.compare_digest(key.encode(), expected.encode()):
+        raise HTTPException(403, "admin key required")

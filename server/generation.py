@@ -1,0 +1,78 @@
+"""Generation shared by /generate and the OpenAI-compatible endpoints: checks, profile, engine, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import HTTPException, Request
+from fastapi.responses import StreamingResponse
+
+from heads.decode import Completion
+from heads.sampling import SamplingParams
+from server.engine import Engine, Pending
+from server.profiles import ProfileError, Resolved, resolve
+
+
+def field_error(field: str, message: str, status: int = 422) -> HTTPException:
+    """An error in FastAPI's validation format, naming the body field."""
+    return HTTPException(status, detail=[{"loc": ["body", field], "msg": message, "type": "value_error"}])
+
+
+def admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
+          fields: tuple[str, str] = ("prompt", "max_new_tokens")) -> tuple[Resolved, int]:
+    """Check the request against the limits and resolve its profile, pinning the version now."""
+    app = request.app
+    engine: Engine = app.state.engine
+    limit = app.state.settings.max_new_tokens_limit
+    if params.max_new_tokens > limit:
+        raise field_error(fields[1], f"must be at most {limit}")
+    prompt_tokens = engine.count_tokens(prompt)
+    if prompt_tokens == 0:
+        raise field_error(fields[0], "encodes to no tokens")
+    if prompt_tokens + params.max_new_tokens > engine.context_length:
+        raise field_error(fields[0], f"{prompt_tokens} prompt tokens + {params.max_new_tokens} new tokens exceed "
+                                     f"the model's context of {engine.context_length} tokens")
+    try:
+        resolved = resolve(app.state.store, app.state.heads, tenant, profile)
+    except ProfileError as e:
+        raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
+    app.state.metrics.profile_requests.labels(resolved.name or "inline").inc()
+    return resolved, prompt_tokens
+
+
+async def complete(request: Request, prompt: str, params: SamplingParams, resolved: Resolved) -> Completion:
+    return await request.app.state.engine.generate(prompt, params, resolved.row)
+
+
+def stream(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
+           chunk: Callable[[str], dict], final: Callable[[Completion], dict]) -> StreamingResponse:
+    """Server-sent events: one `chunk(text)` per new piece of text, then `final(completion)`, then [DONE].
+
+    A client that goes away cancels its request: its row stops at the next decoding step.
+    """
+    loop = asyncio.get_running_loop()
+    texts: asyncio.Queue[str] = asyncio.Queue()
+    pending = Pending(prompt, params, resolved.row, on_text=lambda t: loop.call_soon_threadsafe(texts.put_nowait, t))
+    request.app.state.engine.submit(pending)
+    done = asyncio.wrap_future(pending.future)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            while True:
+                getter = asyncio.ensure_future(texts.get())
+                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in finished:
+                    yield f"data: {json.dumps(chunk(getter.result()))}\n\n"
+                    continue
+                getter.cancel()
+                while not texts.empty():
+                    yield f"data: {json.dumps(chunk(texts.get_nowait()))}\n\n"
+                yield f"data: {json.dumps(final(done.result()))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            pending.cancelled.set()  # no-op once finished; frees the row if the client left
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

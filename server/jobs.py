@@ -1,0 +1,129 @@
+"""Training jobs: queued in SQLite, run one at a time by a worker thread.
+
+A job moves through queued -> running (phases: caching, fitting, saving) -> succeeded, failed or
+cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
+event stream read. The head file is written atomically before its row is inserted, so a crash
+leaves either no head or a complete one; at start-up a job that was running is marked failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+
+from heads.head import save_head
+from heads.records import read_jsonl
+from heads.t3 import train_head
+from heads.train import FitConfig
+from server.storage import Store, new_id
+
+log = logging.getLogger("lethe.jobs")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class Cancelled(Exception):
+    pass
+
+
+class JobRunner:
+    def __init__(self, store: Store, lm, metrics=None):
+        self.store, self.lm, self.metrics = store, lm, metrics
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self._cancel: dict[str, threading.Event] = {}
+        self._recover()
+        self._thread = threading.Thread(target=self._run, name="lethe-jobs", daemon=True)
+        self._thread.start()
+
+    def _recover(self) -> None:
+        now = time.time()
+        self.store.tx([("UPDATE jobs SET status = 'failed', error = ?, finished = ? WHERE status = 'running'",
+                        ("the server stopped while the job was running", now))])
+        for row in self.store.q("SELECT id FROM jobs WHERE status = 'queued' ORDER BY created"):
+            self.queue.put(row["id"])
+
+    def submit(self, tenant_id: str, kind: str, params: dict) -> str:
+        job_id = new_id("job")
+        self.store.tx([("INSERT INTO jobs (id, tenant_id, kind, status, phase, progress, params, created) "
+                        "VALUES (?, ?, ?, 'queued', 'queued', 0, ?, ?)",
+                        (job_id, tenant_id, kind, json.dumps(params), time.time()))])
+        self.queue.put(job_id)
+        return job_id
+
+    def cancel(self, tenant_id: str, job_id: str) -> bool:
+        """Cancel a queued or running job; False when it had already ended."""
+        job = self.store.get("jobs", tenant_id, job_id)
+        if job is None or job["status"] in TERMINAL:
+            return False
+        self._cancel.setdefault(job_id, threading.Event()).set()
+        if job["status"] == "queued":
+            self._finish(job_id, "cancelled", error="cancelled before it started")
+        return True
+
+    def close(self) -> None:
+        for event in self._cancel.values():
+            event.set()
+        self.queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _update(self, job_id: str, **fields) -> None:
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self.store.tx([(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))])
+
+    def _finish(self, job_id: str, status: str, **fields) -> None:
+        self._update(job_id, status=status, finished=time.time(), **fields)
+
+    def _run(self) -> None:
+        while (job_id := self.queue.get()) is not None:
+            rows = self.store.q("SELECT * FROM jobs WHERE id = ?", job_id)
+            if not rows or rows[0]["status"] != "queued":
+                continue
+            job = dict(rows[0])
+            cancel = self._cancel.setdefault(job_id, threading.Event())
+            started = time.time()
+            self._update(job_id, status="running", started=started, phase="caching", progress=0.0)
+            status = "failed"
+            try:
+                self._train(job, cancel)
+                status = "succeeded"
+            except Cancelled:
+                status = "cancelled"
+                self._finish(job_id, "cancelled", error="cancelled while running")
+            except Exception as e:
+                log.exception("job %s failed", job_id)
+                self._finish(job_id, "failed", error=f"{type(e).__name__}: {e}")
+            finally:
+                self._cancel.pop(job_id, None)
+                if self.metrics:
+                    self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)
+
+    def _train(self, job: dict, cancel: threading.Event) -> None:
+        job_id, tenant_id = job["id"], job["tenant_id"]
+        params = json.loads(job["params"])
+        forget = read_jsonl(self.store.dataset_path(params["forget"]))
+        retain = read_jsonl(self.store.dataset_path(params["retain"]))
+        last = [0.0]
+
+        def progress(phase: str, fraction: float) -> None:
+            if cancel.is_set():
+                raise Cancelled()
+            overall = 0.5 * fraction if phase == "caching" else 0.5 + 0.45 * fraction
+            if overall - last[0] >= 0.02 or fraction >= 1:
+                last[0] = overall
+                self._update(job_id, phase=phase, progress=round(overall, 3))
+
+        cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
+                                                   "common_df", "seed") if k in params})
+        head, info = train_head(self.lm, forget, retain, cfg, progress=False, on_progress=progress)
+        if cancel.is_set():
+            raise Cancelled()
+        self._update(job_id, phase="saving", progress=0.95)
+        head_id = new_id("head")
+        path = self.store.head_path(head_id)
+        save_head(path, head, info)
+        self.store.tx([("INSERT INTO heads VALUES (?, ?, ?, ?, ?, ?)",
+                        (head_id, tenant_id, job_id, path.stat().st_size, json.dumps(info.__dict__), time.time())),
+                       ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
+                        "finished = ? WHERE id = ?", (json.dumps(info.metrics), head_id, time.time(), job_id))])

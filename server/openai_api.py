@@ -1,0 +1,142 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+The profile is chosen by `model` (a profile name, or `base`) or by an `unlearning_profile` field.
+Fields of the OpenAI API that Lethe does not use are accepted and ignored, as OpenAI clients send
+many of them; `n` > 1 and `logprobs` are refused with a 422 naming them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from heads.decode import Completion
+from heads.records import PROMPT_FORMAT
+from heads.sampling import SamplingParams
+from server.auth import optional_tenant
+from server.generation import admit, complete, field_error, stream
+
+router = APIRouter(tags=["openai"])
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = "base"
+    max_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    n: int = Field(1, ge=1)
+    unlearning_profile: str | None = None
+
+    def checks(self) -> None:
+        if self.n != 1:
+            raise field_error("n", "only n = 1 is supported")
+
+    def profile(self) -> str | None:
+        return self.unlearning_profile or (None if self.model in ("base", "") else self.model)
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(max_new_tokens=self.max_tokens or default_max, temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed, stop=[s for s in stop if s])
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str = Field(min_length=1)
+    logprobs: int | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str
+
+
+class ChatRequest(OpenAIRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool | None = None
+
+
+def _usage(c: Completion) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens}
+
+
+def chat_prompt(tokenizer, messages: list[Message]) -> str:
+    """The tokenizer's chat template when it has one; else Lethe's question-answer format."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
+                                             add_generation_prompt=True)
+    parts = []
+    for m in messages:
+        if m.role == "user":
+            parts.append(PROMPT_FORMAT.format(question=m.content))
+        elif m.role == "assistant":
+            parts.append(" " + m.content + "\n")
+        else:
+            parts.append(m.content + "\n")
+    prompt = "".join(parts)
+    return prompt if prompt.endswith("Answer:") else prompt + "Answer:"
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    body.checks()
+    if body.logprobs:
+        raise field_error("logprobs", "logprobs are not supported")
+    params = body.sampling(16)
+    resolved, _ = admit(request, tenant_id, body.prompt, params, body.profile(), ("prompt", "max_tokens"))
+    rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def envelope(choice: dict, usage: dict | None = None) -> dict:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]}
+        return out | ({"usage": usage} if usage else {})
+
+    if body.stream:
+        return stream(request, body.prompt, params, resolved,
+                      lambda t: envelope({"index": 0, "text": t, "finish_reason": None, "logprobs": None}),
+                      lambda c: envelope({"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None},
+                                         _usage(c)))
+    c = await complete(request, body.prompt, params, resolved)
+    return envelope({"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}, _usage(c))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    body.checks()
+    if body.logprobs:
+        raise field_error("logprobs", "logprobs are not supported")
+    if body.max_completion_tokens and not body.max_tokens:
+        body.max_tokens = body.max_completion_tokens
+    prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
+    params = body.sampling(64)
+    resolved, _ = admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
+    rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def envelope(obj: str, choice: dict, usage: dict | None = None) -> dict:
+        out = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": [choice]}
+        return out | ({"usage": usage} if usage else {})
+
+    if body.stream:
+        return stream(request, prompt, params, resolved,
+                      lambda t: envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant",
+                                                                                          "content": t},
+                                                                  "finish_reason": None}),
+                      lambda c: envelope("chat.completion.chunk", {"index": 0, "delta": {},
+                                                                  "finish_reason": c.finish_reason}, _usage(c)))
+    c = await complete(request, prompt, params, resolved)
+    return envelope("chat.completion", {"index": 0, "message": {"role": "assistant", "content": c.text.strip()},
+                                        "finish_reason": c.finish_reason}, _usage(c))
+
+
+@router.get("/v1/models")
+def models(request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    names = ["base"] + (request.app.state.store.profile_names(tenant_id) if tenant_id else [])
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "lethe"} for n in names]}

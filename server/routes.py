@@ -1,0 +1,270 @@
+"""Tenant resources: datasets, head jobs, heads, profiles; and the admin endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi.responses import StreamingResponse
+
+from heads.io import atomic_write_bytes
+from heads.records import RecordError, parse_jsonl
+from server.auth import admin, tenant
+from server.generation import field_error
+from server.jobs import TERMINAL
+from server.profiles import ProfileError, complete_spec
+from server.protocol import (DatasetOut, HeadJobRequest, HeadOut, JobOut, ProfileOut, ProfileSpec, TenantOut,
+                             TenantRequest)
+from server.storage import new_id
+
+router = APIRouter()
+
+
+def not_found(kind: str, item_id: str) -> HTTPException:
+    return HTTPException(404, f"{kind} {item_id!r} not found")
+
+
+async def _read_upload(request: Request, limit: int) -> tuple[bytes, str | None]:
+    """The records file from a multipart upload (field `file`) or the raw body; 413 beyond `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit + 64 * 1024:
+        raise HTTPException(413, f"body of {length} bytes exceeds the limit of {limit} bytes")
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        form = await request.form()
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise field_error("file", "a multipart upload needs a `file` field")
+        data = await upload.read(limit + 1)
+        name = form.get("name") or upload.filename
+    else:
+        data = b""
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                break
+        name = request.query_params.get("name")
+    if len(data) > limit:
+        raise HTTPException(413, f"dataset exceeds the limit of {limit} bytes")
+    return data, name
+
+
+@router.post("/v1/datasets", response_model=DatasetOut, status_code=201, tags=["datasets"])
+async def upload_dataset(request: Request, tenant_id: str = Depends(tenant)) -> DatasetOut:
+    """Upload JSON Lines records (TOFU `question`/`answer`, `prompt`/`completion`, or `text`)."""
+    store = request.app.state.store
+    data, name = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise field_error("body", f"not valid UTF-8 (byte {e.start})") from None
+    try:
+        records = parse_jsonl(text)
+    except RecordError as e:
+        raise HTTPException(422, detail=[{"loc": ["body", f"line {e.line}", e.field], "msg": e.message,
+                                          "type": "value_error"}]) from None
+    dataset_id = new_id("ds")
+    atomic_write_bytes(store.dataset_path(dataset_id), data)
+    row = (dataset_id, tenant_id, name, len(records), hashlib.sha256(data).hexdigest(), len(data), time.time())
+    store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
+    return DatasetOut(id=row[0], name=row[2], records=row[3], sha256=row[4], bytes=row[5], created=row[6])
+
+
+@router.get("/v1/datasets", response_model=list[DatasetOut], tags=["datasets"])
+def list_datasets(request: Request, tenant_id: str = Depends(tenant)):
+    return [DatasetOut(**{k: d[k] for k in DatasetOut.model_fields}) for d in request.app.state.store.list("datasets", tenant_id)]
+
+
+@router.get("/v1/datasets/{dataset_id}", response_model=DatasetOut, tags=["datasets"])
+def get_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    d = request.app.state.store.get("datasets", tenant_id, dataset_id)
+    if d is None:
+        raise not_found("dataset", dataset_id)
+    return DatasetOut(**{k: d[k] for k in DatasetOut.model_fields})
+
+
+@router.delete("/v1/datasets/{dataset_id}", status_code=204, tags=["datasets"])
+def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    store = request.app.state.store
+    if store.get("datasets", tenant_id, dataset_id) is None:
+        raise not_found("dataset", dataset_id)
+    store.tx([("DELETE FROM datasets WHERE id = ?", (dataset_id,))])
+    store.dataset_path(dataset_id).unlink(missing_ok=True)
+    return Response(status_code=204)
+
+
+def _job_out(job: dict) -> JobOut:
+    return JobOut(id=job["id"], kind=job["kind"], status=job["status"], phase=job["phase"],
+                  progress=job["progress"] or 0.0, metrics=json.loads(job["metrics"]) if job["metrics"] else None,
+                  head=job["result"], error=job["error"], created=job["created"], started=job["started"],
+                  finished=job["finished"])
+
+
+@router.post("/v1/heads", response_model=JobOut, status_code=202, tags=["heads"])
+def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
+    """Start a job that caches the model's states over the two datasets and fits a T3 head."""
+    store = request.app.state.store
+    for field in ("forget", "retain"):
+        d = store.get("datasets", tenant_id, getattr(body, field))
+        if d is None:
+            raise field_error(field, f"dataset {getattr(body, field)!r} not found", 404)
+    job_id = request.app.state.jobs.submit(tenant_id, "t3", body.model_dump())
+    return _job_out(store.get("jobs", tenant_id, job_id))
+
+
+def _head_out(h: dict) -> HeadOut:
+    info = json.loads(h["info"])
+    return HeadOut(id=h["id"], job=h["job_id"], bytes=h["bytes"], created=h["created"], rank=info["rank"],
+                   metrics=info["metrics"], profile=info["profile"])
+
+
+@router.get("/v1/heads", response_model=list[HeadOut], tags=["heads"])
+def list_heads(request: Request, tenant_id: str = Depends(tenant)):
+    return [_head_out(h) for h in request.app.state.store.list("heads", tenant_id)]
+
+
+@router.get("/v1/heads/{head_id}", response_model=HeadOut, tags=["heads"])
+def get_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    h = request.app.state.store.get("heads", tenant_id, head_id)
+    if h is None:
+        raise not_found("head", head_id)
+    return _head_out(h)
+
+
+@router.delete("/v1/heads/{head_id}", status_code=204, tags=["heads"])
+def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    store = request.app.state.store
+    if store.get("heads", tenant_id, head_id) is None:
+        raise not_found("head", head_id)
+    users = [n for n in store.profile_names(tenant_id) if (store.current_profile(tenant_id, n) or (0, {}))[1].get("head") == head_id]
+    if users:
+        raise HTTPException(409, f"head {head_id!r} is used by profiles {', '.join(users)}; change them first")
+    store.tx([("DELETE FROM heads WHERE id = ?", (head_id,))])
+    request.app.state.heads.drop(head_id)
+    store.head_path(head_id).unlink(missing_ok=True)
+    return Response(status_code=204)
+
+
+@router.get("/v1/jobs", response_model=list[JobOut], tags=["jobs"])
+def list_jobs(request: Request, tenant_id: str = Depends(tenant)):
+    return [_job_out(j) for j in request.app.state.store.list("jobs", tenant_id)]
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
+def get_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    job = request.app.state.store.get("jobs", tenant_id, job_id)
+    if job is None:
+        raise not_found("job", job_id)
+    return _job_out(job)
+
+
+@router.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
+def cancel_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    store = request.app.state.store
+    if store.get("jobs", tenant_id, job_id) is None:
+        raise not_found("job", job_id)
+    if not request.app.state.jobs.cancel(tenant_id, job_id):
+        raise HTTPException(409, f"job {job_id!r} has already ended")
+    return _job_out(store.get("jobs", tenant_id, job_id))
+
+
+@router.get("/v1/jobs/{job_id}/events", tags=["jobs"])
+async def job_events(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """Server-sent events: the job's state each time it changes, until it ends."""
+    store = request.app.state.store
+    if store.get("jobs", tenant_id, job_id) is None:
+        raise not_found("job", job_id)
+
+    async def events():
+        last = None
+        while True:
+            job = _job_out(store.get("jobs", tenant_id, job_id)).model_dump()
+            if job != last:
+                yield f"event: job\ndata: {json.dumps(job)}\n\n"
+                last = job
+            if job["status"] in TERMINAL or await request.is_disconnected():
+                return
+            await asyncio.sleep(0.2)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _profile_out(store, tenant_id: str, name: str) -> ProfileOut:
+    current = store.current_profile(tenant_id, name)
+    if current is None:
+        raise not_found("profile", name)
+    return ProfileOut(name=name, version=current[0], spec=current[1], history=store.profile_history(tenant_id, name))
+
+
+@router.put("/v1/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
+def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str = Depends(tenant)):
+    """Create the profile, or replace it with a new version; requests admitted earlier keep theirs."""
+    if name == "base" or not name.strip() or len(name) > 100:
+        raise HTTPException(422, detail=[{"loc": ["path", "name"], "msg": "a profile name of 1-100 characters, "
+                                          "not `base`", "type": "value_error"}])
+    store = request.app.state.store
+    try:
+        spec = complete_spec(request.app.state.heads, tenant_id, body.spec())
+    except ProfileError as e:
+        raise field_error(e.field, e.message, e.status) from None
+    store.put_profile(tenant_id, name, spec, body.note)
+    return _profile_out(store, tenant_id, name)
+
+
+@router.get("/v1/profiles", response_model=list[ProfileOut], tags=["profiles"])
+def list_profiles(request: Request, tenant_id: str = Depends(tenant)):
+    store = request.app.state.store
+    return [_profile_out(store, tenant_id, n).model_copy(update={"history": []}) for n in store.profile_names(tenant_id)]
+
+
+@router.get("/v1/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
+def get_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
+    return _profile_out(request.app.state.store, tenant_id, name)
+
+
+@router.post("/v1/profiles/{name}/rollback", response_model=ProfileOut, tags=["profiles"])
+def rollback_profile(name: str, request: Request, version: int | None = None, tenant_id: str = Depends(tenant)):
+    """Make an earlier version current (default: the one before the current one)."""
+    store = request.app.state.store
+    current = store.current_profile(tenant_id, name)
+    if current is None:
+        raise not_found("profile", name)
+    versions = [h["version"] for h in store.profile_history(tenant_id, name)]
+    target = version if version is not None else max((v for v in versions if v < current[0]), default=None)
+    if target is None or target not in versions:
+        raise HTTPException(409 if version is None else 404, f"profile {name!r} has no version to roll back to"
+                            if version is None else f"profile {name!r} has no version {version}")
+    store.set_profile_version(tenant_id, name, target)
+    return _profile_out(store, tenant_id, name)
+
+
+@router.delete("/v1/profiles/{name}", status_code=204, tags=["profiles"])
+def delete_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
+    store = request.app.state.store
+    if store.current_profile(tenant_id, name) is None:
+        raise not_found("profile", name)
+    store.delete_profile(tenant_id, name)
+    return Response(status_code=204)
+
+
+@router.post("/admin/tenants", response_model=TenantOut, status_code=201, tags=["admin"],
+             dependencies=[Depends(admin)])
+def create_tenant(body: TenantRequest, request: Request) -> TenantOut:
+    store = request.app.state.store
+    if store.tenant_by_name(body.name):
+        raise HTTPException(409, f"tenant {body.name!r} exists")
+    tenant_id, key = store.create_tenant(body.name)
+    return TenantOut(id=tenant_id, name=body.name, api_key=key)
+
+
+@router.post("/admin/tenants/{name}/keys", response_model=TenantOut, status_code=201, tags=["admin"],
+             dependencies=[Depends(admin)])
+def create_key(name: str, request: Request) -> TenantOut:
+    store = request.app.state.store
+    tenant_id = store.tenant_by_name(name)
+    if tenant_id is None:
+        raise not_found("tenant", name)
+    return TenantOut(id=tenant_id, name=name, api_key=store.add_key(tenant_id))

@@ -1,0 +1,150 @@
+"""Metadata in SQLite (WAL), files in the data directory.
+
+Layout of the data directory:
+    lethe.db            tenants, keys (hashed), datasets, heads, jobs, profiles and their versions
+    datasets/<id>.jsonl uploaded records, as received
+    heads/<id>.safetensors
+Every file is written atomically (heads.io); a row points at a file only once the file is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, tenant_id TEXT NOT NULL REFERENCES tenants(id),
+    created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS datasets (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, name TEXT, records INTEGER,
+    sha256 TEXT, bytes INTEGER, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS heads (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, job_id TEXT, bytes INTEGER,
+    info TEXT, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, kind TEXT NOT NULL,
+    status TEXT NOT NULL, phase TEXT, progress REAL, params TEXT, metrics TEXT, result TEXT, error TEXT,
+    created REAL NOT NULL, started REAL, finished REAL);
+CREATE TABLE IF NOT EXISTS profile_versions (tenant_id TEXT NOT NULL, name TEXT NOT NULL, version INTEGER NOT NULL,
+    spec TEXT NOT NULL, created REAL NOT NULL, note TEXT, PRIMARY KEY (tenant_id, name, version));
+CREATE TABLE IF NOT EXISTS profiles (tenant_id TEXT NOT NULL, name TEXT NOT NULL, version INTEGER NOT NULL,
+    PRIMARY KEY (tenant_id, name));
+"""
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:16]}"
+
+
+class Store:
+    """Thread-safe access to the metadata database; one connection, serialised by a lock."""
+
+    def __init__(self, data_dir: Path):
+        self.dir = Path(data_dir)
+        for sub in ("datasets", "heads"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.dir / "lethe.db", check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def q(self, sql: str, *args) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def tx(self, statements: list[tuple[str, tuple]]) -> None:
+        """Run statements in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, args in statements:
+                    self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    # tenants and keys
+    def create_tenant(self, name: str) -> tuple[str, str]:
+        """A new tenant and its first API key: (tenant id, key). The key is stored hashed only."""
+        tenant_id, key = new_id("ten"), "lk_" + secrets.token_urlsafe(24)
+        now = time.time()
+        self.tx([("INSERT INTO tenants VALUES (?, ?, ?)", (tenant_id, name, now)),
+                 ("INSERT INTO api_keys VALUES (?, ?, ?)", (hash_key(key), tenant_id, now))])
+        return tenant_id, key
+
+    def add_key(self, tenant_id: str) -> str:
+        key = "lk_" + secrets.token_urlsafe(24)
+        self.tx([("INSERT INTO api_keys VALUES (?, ?, ?)", (hash_key(key), tenant_id, time.time()))])
+        return key
+
+    def tenant_for_key(self, key: str) -> str | None:
+        rows = self.q("SELECT tenant_id FROM api_keys WHERE hash = ?", hash_key(key))
+        return rows[0]["tenant_id"] if rows else None
+
+    def tenant_by_name(self, name: str) -> str | None:
+        rows = self.q("SELECT id FROM tenants WHERE name = ?", name)
+        return rows[0]["id"] if rows else None
+
+    # owned resources: every lookup is by (tenant, id), so another tenant's id is simply not found
+    def get(self, table: str, tenant_id: str, item_id: str) -> dict | None:
+        assert table in ("datasets", "heads", "jobs")
+        rows = self.q(f"SELECT * FROM {table} WHERE tenant_id = ? AND id = ?", tenant_id, item_id)
+        return dict(rows[0]) if rows else None
+
+    def list(self, table: str, tenant_id: str) -> list[dict]:
+        assert table in ("datasets", "heads", "jobs")
+        return [dict(r) for r in self.q(f"SELECT * FROM {table} WHERE tenant_id = ? ORDER BY created", tenant_id)]
+
+    def dataset_path(self, dataset_id: str) -> Path:
+        return self.dir / "datasets" / f"{dataset_id}.jsonl"
+
+    def head_path(self, head_id: str) -> Path:
+        return self.dir / "heads" / f"{head_id}.safetensors"
+
+    # profiles
+    def put_profile(self, tenant_id: str, name: str, spec: dict, note: str | None = None) -> int:
+        """Store `spec` as the next version of profile `name` and make it current; returns the version."""
+        with self._lock:
+            rows = self.q("SELECT MAX(version) AS v FROM profile_versions WHERE tenant_id = ? AND name = ?",
+                          tenant_id, name)
+            version = (rows[0]["v"] or 0) + 1
+            self.tx([("INSERT INTO profile_versions VALUES (?, ?, ?, ?, ?, ?)",
+                      (tenant_id, name, version, json.dumps(spec), time.time(), note)),
+                     ("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?)", (tenant_id, name, version))])
+            return version
+
+    def current_profile(self, tenant_id: str, name: str) -> tuple[int, dict] | None:
+        rows = self.q("SELECT v.version, v.spec FROM profiles p JOIN profile_versions v ON v.tenant_id = p.tenant_id "
+                      "AND v.name = p.name AND v.version = p.version WHERE p.tenant_id = ? AND p.name = ?",
+                      tenant_id, name)
+        return (rows[0]["version"], json.loads(rows[0]["spec"])) if rows else None
+
+    def profile_history(self, tenant_id: str, name: str) -> list[dict]:
+        return [{"version": r["version"], "spec": json.loads(r["spec"]), "created": r["created"], "note": r["note"]}
+                for r in self.q("SELECT * FROM profile_versions WHERE tenant_id = ? AND name = ? ORDER BY version",
+                                tenant_id, name)]
+
+    def profile_names(self, tenant_id: str) -> list[str]:
+        return [r["name"] for r in self.q("SELECT name FROM profiles WHERE tenant_id = ? ORDER BY name", tenant_id)]
+
+    def set_profile_version(self, tenant_id: str, name: str, version: int) -> None:
+        self.tx([("UPDATE profiles SET version = ? WHERE tenant_id = ? AND name = ?", (version, tenant_id, name))])
+
+    def delete_profile(self, tenant_id: str, name: str) -> None:
+        self.tx([("DELETE FROM profiles WHERE tenant_id = ? AND name = ?", (tenant_id, name)),
+                 ("DELETE FROM profile_versions WHERE tenant_id = ? AND name = ?", (tenant_id, name))])

@@ -1,0 +1,50 @@
+"""A real Lethe server (uvicorn on a free port, in a thread) for end-to-end tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from server.app import create_app
+from server.settings import Settings
+
+ADMIN_KEY = "test-admin-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(lm, data_dir, **overrides):
+    port = free_port()
+    settings = Settings(model=lm.path, data_dir=data_dir, port=port, admin_key=ADMIN_KEY, demo_tenant=False,
+                        **overrides)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, lm), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def new_tenant(url: str, name: str) -> httpx.Client:
+    r = httpx.post(url + "/admin/tenants", json={"name": name}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    r.raise_for_status()
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {r.json()['api_key']}"}, timeout=60)

@@ -1,0 +1,205 @@
+"""End to end against a real server: two tenants, datasets, a head job, profiles, hot-swap, OpenAI clients."""
+
+import json
+import statistics
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from heads.demo.corpus import split_by_author
+from heads.metrics import rouge_l_recall
+from heads.records import question_prompt
+from live_server import new_tenant, running_server
+
+
+def _jsonl(records) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_lm, tmp_path_factory):
+    with running_server(tiny_lm, tmp_path_factory.mktemp("data"), max_new_tokens_limit=128) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tenant_a(live, tiny_records):
+    """Tenant A with uploaded sets, a trained head and a profile `forget-1` using it."""
+    client = new_tenant(live, "a")
+    forget, retain = split_by_author(tiny_records, 1)
+    f = client.post("/v1/datasets?name=forget", content=_jsonl(forget)).json()
+    r = client.post("/v1/datasets", files={"file": ("retain.jsonl", _jsonl(retain))}).json()
+    assert f["records"] == 20 and r["records"] == 60 and r["name"] == "retain.jsonl"
+    job = client.post("/v1/heads", json={"forget": f["id"], "retain": r["id"]})
+    assert job.status_code == 202 and job.json()["status"] in ("queued", "running")
+    phases = []
+    with client.stream("GET", f"/v1/jobs/{job.json()['id']}/events") as events:
+        for line in events.iter_lines():
+            if line.startswith("data: "):
+                phases.append(json.loads(line[6:]))
+    assert phases[-1]["status"] == "succeeded" and phases[-1]["progress"] == 1.0, phases[-1]
+    assert [p["progress"] for p in phases] == sorted(p["progress"] for p in phases)
+    head = phases[-1]["head"]
+    assert client.get(f"/v1/heads/{head}").json()["metrics"]["heldout_auc"] > 0.8
+    prof = client.put("/v1/profiles/forget-1", json={"head": head, "note": "first"})
+    assert prof.status_code == 200 and prof.json()["version"] == 1
+    return {"client": client, "forget": forget, "retain": retain, "datasets": (f["id"], r["id"]), "head": head,
+            "job": job.json()["id"]}
+
+
+def _ask(client, records, profile=None):
+    outs = []
+    for rec in records:
+        body = {"prompt": question_prompt(rec["question"]), "temperature": 0, "max_new_tokens": 40}
+        if profile:
+            body["profile"] = profile
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        outs.append(r.json())
+    return outs
+
+
+def test_tenant_a_forgets_while_tenant_b_still_remembers(live, tenant_a):
+    a, b = tenant_a["client"], new_tenant(live, "b")
+    forget, retain = tenant_a["forget"], tenant_a["retain"][::6]
+    rouge = lambda recs, outs: statistics.fmean(rouge_l_recall(r["answer"], o["text"]) for r, o in zip(recs, outs))  # noqa
+    a_forget = _ask(a, forget, "forget-1")
+    assert all(o["profile"] == {"name": "forget-1", "version": 1} for o in a_forget)
+    b_forget = _ask(b, forget)
+    assert rouge(forget, b_forget) > 0.9 and b_forget[0]["profile"]["name"] == "base"
+    assert rouge(forget, a_forget) < 0.6 * rouge(forget, b_forget)
+    assert rouge(retain, _ask(a, retain, "forget-1")) >= 0.97 * rouge(retain, _ask(b, retain))
+
+
+def test_another_tenants_resources_answer_404(live, tenant_a):
+    b = new_tenant(live, "b2")
+    ds, head, job = tenant_a["datasets"][0], tenant_a["head"], tenant_a["job"]
+    for method, path in [("GET", f"/v1/datasets/{ds}"), ("DELETE", f"/v1/datasets/{ds}"), ("GET", f"/v1/heads/{head}"),
+                         ("DELETE", f"/v1/heads/{head}"), ("GET", f"/v1/jobs/{job}"), ("GET", f"/v1/jobs/{job}/events"),
+                         ("POST", f"/v1/jobs/{job}/cancel"), ("GET", "/v1/profiles/forget-1"),
+                         ("POST", "/v1/profiles/forget-1/rollback"), ("DELETE", "/v1/profiles/forget-1")]:
+        assert b.request(method, path).status_code == 404, (method, path)
+    assert b.get("/v1/datasets").json() == [] and b.get("/v1/heads").json() == [] and b.get("/v1/jobs").json() == []
+    r = b.post("/generate", json={"prompt": "Question: x\nAnswer:", "profile": "forget-1"})
+    assert r.status_code == 404
+    r = b.post("/generate", json={"prompt": "Question: x\nAnswer:", "profile": {"head": head}})
+    assert r.status_code == 404
+    r = b.post("/v1/heads", json={"forget": ds, "retain": ds})
+    assert r.status_code == 404 and r.json()["detail"][0]["loc"] == ["body", "forget"]
+    assert b.post("/admin/tenants", json={"name": "evil"}).status_code == 403, "tenant keys are not admin keys"
+    assert httpx.get(live + "/v1/datasets").status_code == 401
+
+
+def test_dataset_upload_names_the_first_bad_line_and_limits_size(live, tenant_a, tiny_lm, tmp_path):
+    a = tenant_a["client"]
+    before = len(a.get("/v1/datasets").json())
+    bad = b'{"question": "q", "answer": "a"}\n{"question": "q2"}\n'
+    r = a.post("/v1/datasets", content=bad)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "line 2", "answer"]
+    assert a.post("/v1/datasets", content=b"{not json\n").json()["detail"][0]["loc"][1] == "line 1"
+    assert a.post("/v1/datasets", content=b"\xff\xfe").status_code == 422
+    assert a.post("/v1/datasets", content=b"\n\n").status_code == 422
+    assert len(a.get("/v1/datasets").json()) == before, "nothing is stored for a refused upload"
+    with running_server(tiny_lm, tmp_path, max_upload_bytes=1000) as small:
+        c = new_tenant(small, "small")
+        assert c.post("/v1/datasets", content=b'{"text": "' + b"x" * 5000 + b'"}\n').status_code == 413
+        assert c.post("/v1/datasets", files={"file": ("big.jsonl", b'{"text": "' + b"x" * 5000 + b'"}\n')}
+                      ).status_code == 413
+        assert c.get("/v1/datasets").json() == [] and not list((tmp_path / "datasets").iterdir())
+
+
+def test_profile_versions_history_and_rollback(live, tenant_a):
+    a, head = tenant_a["client"], tenant_a["head"]
+    v2 = a.put("/v1/profiles/swap-test", json={"head": head, "preset": "paper"}).json()
+    assert v2["version"] == 1 and v2["spec"]["T"] == 2.5 and v2["spec"]["cap"] is None
+    v = a.put("/v1/profiles/swap-test", json={"backend": "base"}).json()
+    assert v["version"] == 2 and [h["version"] for h in v["history"]] == [1, 2]
+    back = a.post("/v1/profiles/swap-test/rollback").json()
+    assert back["version"] == 1 and back["spec"]["backend"] == "t3"
+    assert a.put("/v1/profiles/bad", json={"head": head, "T": 0}).status_code == 422
+    r = a.put("/v1/profiles/bad", json={"head": head, "lam": -1})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "lam"
+    assert a.put("/v1/profiles/bad", json={"head": head, "colour": "red"}).status_code == 422
+    assert a.put("/v1/profiles/bad", json={"head": "head_nope"}).status_code == 404
+    assert a.get("/v1/profiles/bad").status_code == 404, "a refused profile leaves nothing behind"
+    assert {m["id"] for m in a.get("/v1/models").json()["data"]} >= {"base", "forget-1", "swap-test"}
+
+
+def test_hot_swap_under_load_no_failures_and_each_answer_matches_its_version(live, tenant_a):
+    a, head = tenant_a["client"], tenant_a["head"]
+    specs = [{"head": head}, {"backend": "base"}]
+    a.put("/v1/profiles/hot", json=specs[0])
+    prompts = [question_prompt(r["question"]) for r in tenant_a["forget"][:4] + tenant_a["retain"][:4]]
+    results, errors, lock = [], [], threading.Lock()
+    key = a.headers["Authorization"]
+
+    def client_loop(worker: int):
+        with httpx.Client(base_url=live, headers={"Authorization": key}, timeout=60) as c:
+            for i in range(25):
+                p = prompts[(worker + i) % len(prompts)]
+                r = c.post("/generate", json={"prompt": p, "profile": "hot", "temperature": 0, "max_new_tokens": 24})
+                with lock:
+                    (results if r.status_code == 200 else errors).append((p, r.status_code, r.json()))
+
+    def swapper():
+        for i in range(20):
+            a.put("/v1/profiles/hot", json=specs[(i + 1) % 2])
+
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(client_loop, w) for w in range(8)] + [pool.submit(swapper)]
+        for f in futures:
+            f.result()
+    assert errors == [] and len(results) == 200
+    versions = {r[2]["profile"]["version"] for r in results}
+    assert len(versions) > 2, "the swaps happened while requests ran"
+    history = {h["version"]: h["spec"] for h in a.get("/v1/profiles/hot").json()["history"]}
+    solo: dict = {}
+    for prompt, _, body in results:
+        spec = history[body["profile"]["version"]]
+        key_ = (prompt, spec.get("backend"))
+        if key_ not in solo:
+            solo[key_] = a.post("/generate", json={"prompt": prompt, "profile": spec, "temperature": 0,
+                                                   "max_new_tokens": 24}).json()["text"]
+        assert body["text"] == solo[key_]
+
+
+def test_streaming_generate_sends_the_same_text_as_a_plain_call(live, tenant_a):
+    a = tenant_a["client"]
+    body = {"prompt": question_prompt(tenant_a["retain"][3]["question"]), "temperature": 0, "max_new_tokens": 30}
+    plain = a.post("/generate", json=body).json()
+    pieces, final = [], None
+    with a.stream("POST", "/generate", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "finish_reason" in event:
+                    final = event
+                else:
+                    pieces.append(event["text"])
+    assert "".join(pieces) == plain["text"] and final["finish_reason"] == plain["finish_reason"]
+
+
+def test_openai_client_completions_and_chat_streaming_and_not(live, tenant_a, tiny_records):
+    from openai import OpenAI
+
+    key = tenant_a["client"].headers["Authorization"].split()[1]
+    client = OpenAI(base_url=live + "/v1", api_key=key)
+    rec = tenant_a["retain"][0]
+    c = client.completions.create(model="base", prompt=question_prompt(rec["question"]), max_tokens=40, temperature=0)
+    assert c.choices[0].text.strip() == rec["answer"] and c.usage.completion_tokens > 0
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="base", prompt=question_prompt(rec["question"]), max_tokens=40, temperature=0, stream=True))
+    assert streamed == c.choices[0].text
+    chat = client.chat.completions.create(model="base", messages=[{"role": "user", "content": rec["question"]}],
+                                          max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == rec["answer"]
+    parts = client.chat.completions.create(model="base", messages=[{"role": "user", "content": rec["question"]}],
+                                           max_tokens=40, temperature=0, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in parts).strip() == rec["answer"]
+    f = tenant_a["forget"][1]
+    forgot = client.chat.completions.create(model="forget-1", messages=[{"role": "user", "content": f["question"]}],
+                                            max_tokens=40, temperature=0)
+    assert forgot.choices[0].message.content != f["answer"]
+    assert {m.id for m in client.models.list()} >= {"base", "forget-1"}
