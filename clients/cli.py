@@ -30,18 +30,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
+    import logging
+
     import uvicorn
 
+    from heads.modelio import load_model
     from server.app import create_app
     from server.settings import Settings
 
-    overrides = {k: v for k, v in {"model": args.model, "host": args.host, "port": args.port,
-                                   "device": args.device, "dtype": args.dtype}.items() if v is not None}
+    overrides = {k: v for k, v in {"model": args.model, "host": args.host, "port": args.port, "device": args.device,
+                                   "dtype": args.dtype, "data_dir": args.data_dir}.items() if v is not None}
     settings = Settings(**overrides)
-    from heads.modelio import load_model
-
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     lm = load_model(settings.model, settings.device, settings.dtype)
-    print(f"lethe: serving {settings.model} on http://{settings.host}:{settings.port}", flush=True)
+    print(f"lethe: serving {settings.model} on http://{settings.host}:{settings.port} "
+          f"(data in {settings.data_dir.resolve()})", flush=True)
     uvicorn.run(create_app(settings, lm), host=settings.host, port=settings.port, log_level="info")
     return 0
 
@@ -261,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="default 8000")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--data-dir", type=Path, default=None, help="metadata, datasets and heads (default ./lethe-data)")
     p.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="the synthetic demo corpus and model").add_subparsers(dest="demo",

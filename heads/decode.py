@@ -155,6 +155,63 @@ class Batch:
         if self.rows[index].finish_reason is None:
             self.rows[index].finish_reason = reason
 
+    # Continuous batching: rows join a running batch and leave it when they finish.
+
+    def can_merge(self) -> bool:
+        """Whether rows can join: every cache layer is a plain growing one, and the guide is per-row."""
+        from transformers.cache_utils import DynamicLayer
+
+        plain = all(type(layer) is DynamicLayer for layer in self.cache.layers)
+        return plain and (self.guide is None or hasattr(self.guide, "rows") and getattr(self.guide, "same", None) is None)
+
+    def merge(self, other: "Batch") -> None:
+        """Add `other`'s rows (freshly prefilled) to this batch; both caches are left-padded to one length."""
+        width = max(self.attention_mask.size(1), other.attention_mask.size(1))
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.size(dim)
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)])
+            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)])
+        self.attention_mask = torch.cat([left_pad(self.attention_mask, 1), left_pad(other.attention_mask, 1)])
+        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.rows += other.rows
+        if self.guide is not None or other.guide is not None:
+            from heads.guide import HeadGuide
+
+            mine = self.guide.rows if self.guide is not None else [None] * (len(self.rows) - len(other.rows))
+            theirs = other.guide.rows if other.guide is not None else [None] * len(other.rows)
+            self.guide = HeadGuide(list(mine) + list(theirs))
+
+    def compact(self) -> list[int]:
+        """Drop finished rows (and padding no row needs any more); returns the indices of the rows kept."""
+        keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
+        if len(keep) == len(self.rows):
+            return keep
+        idx = torch.tensor(keep, device=self.attention_mask.device, dtype=torch.long)
+        mask = self.attention_mask[idx]
+        used = mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, start:]
+            layer.values = layer.values[idx, :, start:]
+        self.attention_mask = mask[:, start:]
+        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p"):
+            setattr(self, name, getattr(self, name)[idx])
+        self.rows = [self.rows[i] for i in keep]
+        if self.guide is not None:
+            from heads.guide import HeadGuide
+
+            self.guide = HeadGuide([self.guide.rows[i] for i in keep])
+        return keep
+
     def completions(self) -> list[Completion]:
         return [Completion(r.text, r.token_ids, r.finish_reason or "length", r.prompt_tokens) for r in self.rows]
 

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Match
 
 from heads.modelio import LoadedModel, load_model
 from server import openai_api, routes
@@ -43,6 +44,14 @@ class JSONByDefault:
             if not ctype or ctype.startswith(b"application/x-www-form-urlencoded") or ctype.startswith(b"text/plain"):
                 scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
         await self.app(scope, receive, send)
+
+
+def route_path(request: Request) -> str:
+    """The route template (`/v1/heads/{head_id}`), so metrics do not grow a label per id."""
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] == Match.FULL:
+            return getattr(route, "path", "unmatched")
+    return "unmatched"
 
 
 def clean_temporary_files(store: Store) -> int:
@@ -87,8 +96,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     async def access_log(request: Request, call_next):
         started = time.perf_counter()
         response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
+        path = route_path(request)
         if hasattr(request.app.state, "metrics"):
             request.app.state.metrics.requests.labels(path, str(response.status_code)).inc()
         log.info(json.dumps({"method": request.method, "path": path, "status": response.status_code,

@@ -1,8 +1,9 @@
 """The engine: one worker thread that decodes queued requests together.
 
-Requests wait in a bounded queue; the worker takes every waiting request (up to
-`max_batch_size`) into one `Batch` and decodes it to the end, then takes the
-next group. Each request carries its own (head, settings) row, fixed when it was
+Requests wait in a bounded queue. Between two decoding steps the worker
+prefills every waiting request (up to `max_batch_size` rows in all) and merges
+it into the running `Batch`; a row that finishes leaves the batch at once
+(continuous batching). Each request carries its own (head, settings) row, fixed when it was
 admitted, so rows of different tenants and profile versions share a batch.
 Callers get a future; a full queue raises `QueueFull`. A streaming caller gets
 each new piece of text through `on_text`; a cancelled request (its client went
@@ -81,61 +82,85 @@ class Engine:
         self.queue.put(None)
         self._thread.join(timeout=30)
 
-    def _take_group(self) -> list[Pending] | None:
-        first = self.queue.get()
-        if first is None:
-            return None
-        group = [first]
-        while len(group) < self.max_batch_size:
+    def _take(self, block: bool, room: int) -> list[Pending] | None:
+        """Up to `room` waiting requests (waiting for the first when `block`); None when told to stop."""
+        group: list[Pending] = []
+        while len(group) < room:
             try:
-                item = self.queue.get_nowait()
+                item = self.queue.get() if block and not group else self.queue.get_nowait()
             except queue.Empty:
                 break
             if item is None:
-                self.queue.put(None)  # leave the stop signal for the outer loop
-                break
+                return None
             group.append(item)
         if self.metrics:
             self.metrics.queue_depth.set(self.queue.qsize())
         return [p for p in group if not p.cancelled.is_set() and p.future.set_running_or_notify_cancel()]
 
     def _run(self) -> None:
-        while (group := self._take_group()) is not None:
-            if not group:
-                continue
+        """Continuous batching: new requests are prefilled and join the running batch between steps;
+        finished rows leave it at once."""
+        batch, active = None, []
+        while True:
+            new = self._take(block=batch is None, room=self.max_batch_size - len(active))
+            if new is None:
+                break
             try:
-                self._decode(group)
+                if new:
+                    joined = self._start(new)
+                    if batch is None:
+                        batch, active = joined, new
+                    elif batch.can_merge() and joined.can_merge():
+                        batch.merge(joined)
+                        active += new
+                    else:  # this model's cache cannot be merged: finish the running batch first
+                        self._drain(batch, active)
+                        batch, active = joined, new
+                if batch is None:
+                    continue
+                self._step(batch, active)
+                if batch.done:
+                    batch, active = None, []
+                else:
+                    active = [active[i] for i in batch.compact()]
             except Exception as e:  # a failed batch fails its requests, never the worker
-                log.exception("batch of %d failed", len(group))
-                for pending in group:
+                log.exception("batch of %d failed", len(active) + len(new))
+                for pending in active + new:
                     if not pending.future.done():
                         pending.future.set_exception(e)
+                batch, active = None, []
+        for pending in active:
+            if not pending.future.done():
+                pending.future.set_exception(RuntimeError("the server is shutting down"))
 
-    def _decode(self, group: list[Pending]) -> None:
+    def _start(self, group: list[Pending]) -> Batch:
         if self.metrics:
             self.metrics.batch_size.observe(len(group))
         guide = HeadGuide([p.row for p in group]) if any(p.row for p in group) else None
-        batch = Batch(self.lm.model, self.lm.tokenizer, [p.prompt for p in group], [p.params for p in group], guide)
+        return Batch(self.lm.model, self.lm.tokenizer, [p.prompt for p in group], [p.params for p in group], guide)
+
+    def _drain(self, batch: Batch, active: list[Pending]) -> None:
         while not batch.done:
+            self._step(batch, active)
+
+    def _step(self, batch: Batch, active: list[Pending]) -> None:
+        """One token for every row; stream new text; settle the rows that finished."""
+        for i, pending in enumerate(active):
+            if pending.cancelled.is_set():
+                batch.finish(i)
+        if not batch.done:
             batch.step()
-            for i, (pending, row) in enumerate(zip(group, batch.rows)):
-                if pending.cancelled.is_set():
-                    batch.finish(i)
-                elif pending.on_text is not None and len(row.text) > pending.sent:
-                    if row.finish_reason is None and row.params.stop:
-                        # hold back text that may be the start of a stop string
-                        safe = len(row.text) - max(len(s) for s in row.params.stop) + 1
-                        if safe <= pending.sent:
-                            continue
-                        delta = row.text[pending.sent:safe]
-                    else:
-                        delta = row.text[pending.sent:]
-                    pending.sent += len(delta)
-                    pending.on_text(delta)
-        for pending, completion in zip(group, batch.completions()):
-            if pending.on_text is not None and len(completion.text) > pending.sent:
-                pending.on_text(completion.text[pending.sent:])
-                pending.sent = len(completion.text)
-            if self.metrics:
-                self.metrics.tokens.inc(completion.completion_tokens)
-            pending.future.set_result(completion)
+        for pending, row in zip(active, batch.rows):
+            if pending.on_text is not None and len(row.text) > pending.sent:
+                text = row.text
+                if row.finish_reason is None and row.params.stop:
+                    # hold back text that may be the start of a stop string
+                    text = text[: max(pending.sent, len(text) - max(len(s) for s in row.params.stop) + 1)]
+                if len(text) > pending.sent:
+                    pending.on_text(text[pending.sent:])
+                    pending.sent = len(text)
+            if row.finish_reason is not None and not pending.future.done():
+                completion = Completion(row.text, row.token_ids, row.finish_reason, row.prompt_tokens)
+                if self.metrics:
+                    self.metrics.tokens.inc(completion.completion_tokens)
+                pending.future.set_result(completion)

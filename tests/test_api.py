@@ -203,3 +203,16 @@ def test_openai_client_completions_and_chat_streaming_and_not(live, tenant_a, ti
                                             max_tokens=40, temperature=0)
     assert forgot.choices[0].message.content != f["answer"]
     assert {m.id for m in client.models.list()} >= {"base", "forget-1"}
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_lm, tmp_path):
+    with running_server(tiny_lm, tmp_path, max_queue=1, max_batch_size=1) as url:
+        body = {"prompt": "Question: hello\nAnswer:", "temperature": 5.0, "max_new_tokens": 120, "seed": 1}
+        with ThreadPoolExecutor(24) as pool:
+            replies = list(pool.map(lambda _: httpx.post(url + "/generate", json=body, timeout=60), range(24)))
+        codes = [r.status_code for r in replies]
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+        assert all(r.headers["retry-after"] == "1" for r in replies if r.status_code == 429)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'lethe_requests_total{path="/generate",status="429"}' in metrics
+        assert "lethe_generated_tokens_total" in metrics and "lethe_batch_size_bucket" in metrics

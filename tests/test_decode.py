@@ -81,3 +81,33 @@ def test_logits_to_probs_matches_an_independent_top_k_top_p():
         want = torch.zeros(50)
         want[kept] = p[kept] / p[kept].sum()
         torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
+
+
+def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, tiny_records):
+    from heads.decode import Batch
+    from heads.guide import HeadGuide, TiltSettings
+    from heads.head import T3Head
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    head = T3Head(model.config.hidden_size, model.config.vocab_size, 4)
+    torch.nn.init.normal_(head.up.weight, std=2.0)
+    head.eval().requires_grad_(False)
+    prompts = _prompts(tiny_records, 5)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (3, 30, 12, 25, 8)]
+    rows = [None, (head, TiltSettings()), None, (head, TiltSettings(T=2.0, cap=None)), None]
+    batch = Batch(model, tok, prompts[:2], params[:2], HeadGuide(rows[:2]))
+    for _ in range(4):
+        batch.step()
+    batch.merge(Batch(model, tok, prompts[2:], params[2:], HeadGuide(rows[2:])))
+    done = {}
+    order = list(range(5))
+    while not batch.done:
+        batch.step()
+        for i, r in zip(order, batch.rows):
+            if r.finish_reason:
+                done[i] = list(r.token_ids)
+        order = [order[k] for k in batch.compact()]
+    assert sorted(done) == [0, 1, 2, 3, 4]
+    for i in range(5):
+        alone = generate(model, tok, [prompts[i]], params[i], HeadGuide([rows[i]]))[0]
+        assert done[i] == alone.token_ids, i
