@@ -92,6 +92,7 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")
     p.add_argument("--cap", type=float, help="flagged tokens score at most the best other token minus CAP")
     p.add_argument("--no-cap", action="store_true", help="turn the spike cap off")
+    p.add_argument("--asu", type=Path, help="ASU adapter weights (from `lethe asu train`), alone or with --head")
 
 
 def _profile(args, lm):
@@ -109,6 +110,18 @@ def _profile(args, lm):
     return head, (settings.replace() if not args.no_cap else TiltSettings(**{**settings.as_dict(), "cap": None}))
 
 
+def _with_asu(args, lm):
+    """`lm` with the --asu adapter attached (in place, sharing the base weights), or as it is."""
+    if not getattr(args, "asu", None):
+        return lm
+    from dataclasses import replace
+
+    from heads.asu import attach, load_asu
+
+    tensors, info = load_asu(args.asu, lm.fingerprint)
+    return replace(lm, model=attach(lm.model, "asu_cli", tensors, info))
+
+
 def cmd_generate(args) -> int:
     from heads.decode import generate_chunked
     from heads.guide import HeadGuide
@@ -117,6 +130,7 @@ def cmd_generate(args) -> int:
 
     lm = load_model(args.model, args.device, args.dtype)
     head, settings = _profile(args, lm)
+    lm = _with_asu(args, lm)
     guide = HeadGuide.uniform(head, settings) if head is not None else None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
@@ -180,11 +194,14 @@ def cmd_eval(args) -> int:
 
     lm = load_model(args.model, args.device, args.dtype)
     head, settings = _profile(args, lm)
+    lm = _with_asu(args, lm)
     reference = load_model(args.reference_model, args.device, args.dtype) if args.reference_model else None
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
     if args.retain_limit:
         retain = retain[:: max(1, len(retain) // args.retain_limit)][: args.retain_limit]
-    name = args.name or ("base" if head is None else args.preset or "head")
+    name = args.name or "+".join(filter(None, ["asu" if args.asu else None,
+                                                ("t3-" + (args.preset or "head")) if head is not None else None])) \
+        or "base"
     report = evaluate(lm, forget, retain, Profile(name, head, settings), reference,
                       cfg=EvalConfig(max_new_tokens=args.max_new_tokens, seeds=tuple(args.seeds)))
     atomic_write_text(args.out, json.dumps(report, indent=2))
@@ -250,6 +267,24 @@ def cmd_bench_quality(args) -> int:
                                                                    [markdown_row(*r) for r in rows]) + "\n")
     if args.plot:
         plot_reports([{**r, "profile": label} for label, r in rows[:4]], args.plot)
+    return 0
+
+
+def cmd_asu_train(args) -> int:
+    from heads.asu import ASUConfig, save_asu, train_asu
+    from heads.modelio import load_model
+    from heads.records import read_jsonl
+
+    lm = load_model(args.model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, retain_loss=args.retain_loss,
+                    retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed)
+    tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
+    save_asu(args.out, tensors, info)
+    base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))
+    print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size,
+                      "share_of_base": round(args.out.stat().st_size / max(1, base_bytes), 4), "steps": info.steps,
+                      **{k: v for k, v in info.metrics.items() if k != "forget_kl_history"}}))
     return 0
 
 
@@ -328,6 +363,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reference", type=Path, help="the reference's saved model directory")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_heads_import)
+
+    asu = sub.add_parser("asu", help="ASU adapters, offline").add_subparsers(dest="asu", required=True)
+    p = asu.add_parser("train", help="distil LoRA adapters towards a tempered-attention teacher")
+    _add_model_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--tau", type=float, default=16.0, help="attention temperature of the teacher (default 16)")
+    p.add_argument("--layers", default=None, help="layers to temper, e.g. 0-1,3 (default: all)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
+    p.add_argument("--retain-weight", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--steps", type=int, default=300, help="at most; stops early when the forget KL stalls")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_asu_train)
 
     p = sub.add_parser("eval", help="TOFU-style evaluation of the base model or a head profile")
     _add_model_args(p)

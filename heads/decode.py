@@ -87,10 +87,11 @@ class Batch:
     """Requests that decode together. `step()` adds one token to every unfinished row."""
 
     def __init__(self, model, tokenizer, prompts: list[str], params: list[SamplingParams],
-                 guide: Guide | None = None):
+                 guide: Guide | None = None, adapters: list[str] | None = None):
+        """`adapters`: per row, the name of the ASU adapter to decode with (`__base__`: none)."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
-        self.model, self.tokenizer, self.guide = model, tokenizer, guide
+        self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
         self.eos = eos_ids(model, tokenizer)
         device = next(model.parameters()).device
         tokenizer.padding_side = "left"
@@ -104,10 +105,15 @@ class Batch:
         self.top_k = torch.tensor([p.top_k for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
         self.cache = DynamicCache(config=model.config)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._adapters():
             last, self.pooled_sum, self.count = prefill(model, input_ids, self.attention_mask, self.cache)
         self.positions = self.count - 1
         self._last_hidden = last
+
+    def _adapters(self):
+        from heads.asu import adapters
+
+        return adapters(self.model, self.adapters)
 
     @property
     def done(self) -> bool:
@@ -132,7 +138,8 @@ class Batch:
         if not self.done:
             self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], 1)
             self.positions = self.positions + 1
-            hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
+            with self._adapters():
+                hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
             self.pooled_sum += hidden.float()
             self.count = self.count + 1
             self._last_hidden = hidden
@@ -182,6 +189,9 @@ class Batch:
         self.attention_mask = torch.cat([left_pad(self.attention_mask, 1), left_pad(other.attention_mask, 1)])
         for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        if self.adapters is not None or other.adapters is not None:
+            self.adapters = (self.adapters or ["__base__"] * len(self.rows)) + \
+                (other.adapters or ["__base__"] * len(other.rows))
         self.rows += other.rows
         if self.guide is not None or other.guide is not None:
             from heads.guide import HeadGuide
@@ -206,6 +216,8 @@ class Batch:
         for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p"):
             setattr(self, name, getattr(self, name)[idx])
         self.rows = [self.rows[i] for i in keep]
+        if self.adapters is not None:
+            self.adapters = [self.adapters[i] for i in keep]
         if self.guide is not None:
             from heads.guide import HeadGuide
 
@@ -217,11 +229,11 @@ class Batch:
 
 
 def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list[SamplingParams],
-             guide: Guide | None = None) -> list[Completion]:
+             guide: Guide | None = None, adapters: list[str] | None = None) -> list[Completion]:
     """Decode `prompts` together until every row stops."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    batch = Batch(model, tokenizer, prompts, params, guide)
+    batch = Batch(model, tokenizer, prompts, params, guide, adapters)
     while not batch.done:
         batch.step()
     return batch.completions()

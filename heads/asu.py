@@ -1,0 +1,260 @@
+"""ASU (Attention Smoothing Unlearning): self-distillation towards a tempered-attention teacher.
+
+Teacher: the frozen model with attention at temperature tau in chosen layers (heads.attention).
+Student: the same base plus LoRA adapters (peft) on every attention and MLP projection
+(`q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`, rank 8 by default: the projections
+carry what attention reads and writes, and rank 8 keeps the file a few percent of the base).
+Loss: KL(teacher || student) over the vocabulary at the forget set's answer positions, plus a
+weighted retain loss on the retain set: `gd` (NLL of the retain answers) or `kl` (KL to the
+original model). The teacher is frozen, so its distributions are computed once, before training.
+
+The weights file holds only the adapter tensors (safetensors) and metadata: base fingerprint,
+tau, layers, rank, target modules, steps and metrics. Loading checks fingerprint, shapes and
+finite values. Adapters are added to the served model in place (`attach`), so the base tensors
+are shared, never copied; rows of one batch may use different adapters (peft's `adapter_names`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from heads.attention import parse_layers, tempered, use_tempered_attention
+from heads.head import BaseMismatch, HeadFileError
+from heads.io import atomic_write
+from heads.records import Example, encode_example, examples
+
+FORMAT = "lethe-asu-lora"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ASUConfig:
+    tau: float = 16.0  # on the demo, tau = 4 barely changes the teacher's answers; 16 breaks them
+    layers: str | None = None  # "0-1,3"; None: every layer
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    target_modules: tuple[str, ...] = TARGETS
+    retain_loss: str = "gd"  # gd | kl
+    retain_weight: float = 1.0
+    lr: float = 2e-3
+    steps: int = 300
+    batch_size: int = 8
+    check_every: int = 25
+    patience: int = 4  # checks without a 1% fall of the forget KL before stopping
+    seed: int = 0
+
+
+@dataclass
+class ASUInfo:
+    base_fingerprint: str
+    tau: float
+    layers: list[int]
+    lora_rank: int
+    lora_alpha: int
+    target_modules: list[str]
+    steps: int = 0
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    format: str = FORMAT
+    format_version: int = 1
+
+
+def _batch(tokenizer, exs: list[Example], device):
+    """Right-padded ids, mask, and per example the positions that predict its completion."""
+    enc = [encode_example(tokenizer, e) for e in exs]
+    width = max(len(ids) for ids, _ in enc)
+    ids = torch.full((len(enc), width), tokenizer.pad_token_id or 0)
+    mask = torch.zeros((len(enc), width), dtype=torch.long)
+    spans = []
+    for r, (seq, n_prompt) in enumerate(enc):
+        ids[r, :len(seq)] = torch.tensor(seq)
+        mask[r, :len(seq)] = 1
+        spans.append((n_prompt - 1, len(seq) - 1))
+    return ids.to(device), mask.to(device), spans
+
+
+def _answer_logits(model, ids, mask, spans) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits at answer positions, next tokens), each example's positions concatenated."""
+    positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    rows = torch.cat([torch.full((b - a,), r, device=ids.device) for r, (a, b) in enumerate(spans)])
+    cols = torch.cat([torch.arange(a, b, device=ids.device) for a, b in spans])
+    return logits[rows, cols].float(), ids[rows, cols + 1]
+
+
+def lora_config(info: ASUInfo):
+    from peft import LoraConfig
+
+    return LoraConfig(r=info.lora_rank, lora_alpha=info.lora_alpha, target_modules=list(info.target_modules),
+                      lora_dropout=0.0, bias="none")
+
+
+def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None = None, progress: bool = True,
+              on_progress=None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
+    """Distil LoRA adapters; returns (adapter tensors, info). `lm.model` is left as it was."""
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    cfg = cfg or ASUConfig()
+    if not forget:
+        raise ValueError("forget: the forget set is empty")
+    if not retain:
+        raise ValueError("retain: the retain set is empty")
+    if cfg.retain_loss not in ("gd", "kl"):
+        raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    started = time.perf_counter()
+    model, tok, device = lm.model, lm.tokenizer, lm.device
+    layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
+    use_tempered_attention(model)
+    fx, rx = examples(forget), examples(retain)
+    # The teacher never changes: its answer distributions are computed once.
+    teacher = []
+    with torch.no_grad(), tempered(model, cfg.tau, layers):
+        for i in range(0, len(fx), 32):
+            ids, mask, spans = _batch(tok, fx[i:i + 32], device)
+            logits, _ = _answer_logits(model, ids, mask, spans)
+            sizes = [b - a for a, b in spans]
+            teacher += list(torch.log_softmax(logits, -1).to(torch.float16).split(sizes))
+    info = ASUInfo(base_fingerprint=lm.fingerprint, tau=cfg.tau, layers=layers, lora_rank=cfg.lora_rank,
+                   lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), training=asdict(cfg))
+    peft_model = get_peft_model(model, lora_config(info))
+    try:
+        peft_model.train()
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+        def forget_kl(idx: list[int]) -> torch.Tensor:
+            ids, mask, spans = _batch(tok, [fx[i] for i in idx], device)
+            student, _ = _answer_logits(peft_model, ids, mask, spans)
+            t = torch.cat([teacher[i] for i in idx]).float()
+            return F.kl_div(torch.log_softmax(student, -1), t, log_target=True, reduction="batchmean")
+
+        def retain_term(idx: list[int]) -> torch.Tensor:
+            ids, mask, spans = _batch(tok, [rx[i] for i in idx], device)
+            student, target = _answer_logits(peft_model, ids, mask, spans)
+            if cfg.retain_loss == "gd":
+                return F.cross_entropy(student, target)
+            with torch.no_grad(), peft_model.disable_adapter():
+                original, _ = _answer_logits(peft_model, ids, mask, spans)
+            return F.kl_div(torch.log_softmax(student, -1), torch.log_softmax(original, -1), log_target=True,
+                            reduction="batchmean")
+
+        def full_forget_kl() -> float:
+            with torch.no_grad():
+                peft_model.eval()
+                values = [float(forget_kl(list(range(i, min(i + 32, len(fx)))))) for i in range(0, len(fx), 32)]
+                peft_model.train()
+            return sum(values) / len(values)
+
+        best, stale, history, step = full_forget_kl(), 0, [], 0
+        history.append((0, best))
+        bar = tqdm(range(cfg.steps), desc="distilling", disable=not progress, leave=False)
+        for step in bar:
+            f_idx = rng.sample(range(len(fx)), min(cfg.batch_size, len(fx)))
+            r_idx = rng.sample(range(len(rx)), min(cfg.batch_size, len(rx)))
+            kl, ret = forget_kl(f_idx), retain_term(r_idx)
+            loss = kl + cfg.retain_weight * ret
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            bar.set_postfix(kl=f"{kl.item():.3f}", retain=f"{ret.item():.3f}")
+            if on_progress is not None:
+                on_progress((step + 1) / cfg.steps)
+            if (step + 1) % cfg.check_every == 0:
+                current = full_forget_kl()
+                history.append((step + 1, current))
+                if current < best * 0.99:
+                    best, stale = current, 0
+                else:
+                    stale += 1
+                    if stale >= cfg.patience:
+                        break
+        peft_model.eval()
+        tensors = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    finally:
+        peft_model.unload()  # the LoRA layers come out again; the base modules are back in place
+    info.steps = step + 1
+    info.metrics = {"seconds": round(time.perf_counter() - started, 2), "forget_kl_start": round(history[0][1], 4),
+                    "forget_kl_end": round(history[-1][1], 4),
+                    "forget_kl_history": [[s, round(v, 5)] for s, v in history],
+                    "adapter_parameters": sum(v.numel() for v in tensors.values())}
+    return tensors, info
+
+
+def save_asu(path: Path, tensors: dict[str, torch.Tensor], info: ASUInfo) -> None:
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata={"lethe": json.dumps(asdict(info))}))
+
+
+def load_asu(path: Path, base_fingerprint: str | None = None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
+    path = Path(path)
+    if not path.is_file():
+        raise HeadFileError(f"{path}: no such ASU weights file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("lethe")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise HeadFileError(f"{path}: not a safetensors file ({e})") from None
+    try:
+        info = ASUInfo(**json.loads(raw or "null"))
+    except (TypeError, json.JSONDecodeError):
+        raise HeadFileError(f"{path}: no readable Lethe ASU metadata") from None
+    if info.format != FORMAT:
+        raise HeadFileError(f"{path}: format {info.format!r} is not {FORMAT}")
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise HeadFileError(f"{path}: {name} holds NaN or Inf values")
+    if base_fingerprint is not None and info.base_fingerprint != base_fingerprint:
+        raise BaseMismatch(f"{path}: adapters were trained on base model {info.base_fingerprint}, "
+                           f"this model is {base_fingerprint}")
+    return tensors, info
+
+
+def attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
+    """Add the adapter `name` to `model` in place (wrapping it with peft the first time); returns the model
+    to decode with. The base weights are shared by every adapter."""
+    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+
+    if isinstance(model, PeftModel):
+        model.add_adapter(name, lora_config(info))
+    else:
+        model = get_peft_model(model, lora_config(info), adapter_name=name)
+    result = set_peft_model_state_dict(model, tensors, adapter_name=name)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if missing:
+        raise HeadFileError(f"adapter {name}: tensors that fit no module of this model: {missing[:3]}")
+    model.eval()
+    return model
+
+
+def detach(model, name: str) -> None:
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) and name in model.peft_config:
+        model.delete_adapter(name)
+
+
+@contextmanager
+def adapters(model, names: list[str] | None):
+    """Rows decode with their own adapter (`__base__`: none), in one forward pass."""
+    from peft import PeftModel
+
+    if names is None or not isinstance(model, PeftModel):
+        with nullcontext():
+            yield
+        return
+    with model.base_model._enable_peft_forward_hooks(adapter_names=names):
+        yield

@@ -1,0 +1,98 @@
+"""ASU: distilled LoRA adapters on the shared base, their file, and mixed-adapter batches."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from clients.cli import main
+from heads.asu import ASUConfig, attach, load_asu, save_asu, train_asu
+from heads.decode import generate
+from heads.demo.corpus import split_by_author
+from heads.head import BaseMismatch, HeadFileError
+from heads.modelio import load_model
+from heads.records import question_prompt
+from heads.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_model_dir, tiny_records):
+    lm = load_model(tiny_model_dir)
+    forget, retain = split_by_author(tiny_records, 1)
+    probe = torch.randint(1, 50, (1, 12))
+    before = lm.model(probe).logits
+    tensors, info = train_asu(lm, forget, retain, ASUConfig(tau=16.0, steps=60, check_every=20), progress=False)
+    after = lm.model(probe).logits
+    return lm, tensors, info, before, after
+
+
+def test_distillation_moves_the_student_to_the_teacher_and_leaves_the_base_as_it_was(distilled):
+    lm, tensors, info, before, after = distilled
+    assert info.metrics["forget_kl_end"] < 0.5 * info.metrics["forget_kl_start"]
+    assert torch.equal(before, after), "training unloads its LoRA layers: the model is the base again"
+    assert all("lora_" in k for k in tensors) and info.tau == 16.0 and info.lora_rank == 8
+    assert info.layers == list(range(lm.model.config.num_hidden_layers))
+
+
+def test_weights_file_is_small_and_checked(distilled, tmp_path, tiny_model_dir):
+    lm, tensors, info, _, _ = distilled
+    path = tmp_path / "asu.safetensors"
+    save_asu(path, tensors, info)
+    base = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    assert path.stat().st_size <= 0.25 * base  # the tiny model is 2 layers of width 64; the demo's is 4.4%
+    loaded, info2 = load_asu(path, lm.fingerprint)
+    assert info2.metrics == info.metrics and loaded.keys() == tensors.keys()
+    with pytest.raises(BaseMismatch, match="trained on base model"):
+        load_asu(path, "0" * 16)
+    bad = {k: v.clone() for k, v in tensors.items()}
+    next(iter(bad.values())).view(-1)[0] = float("inf")
+    save_file(bad, str(tmp_path / "inf.safetensors"), metadata={"lethe": json.dumps(info.__dict__)})
+    with pytest.raises(HeadFileError, match="NaN or Inf"):
+        load_asu(tmp_path / "inf.safetensors")
+
+
+def test_adapters_share_the_base_tensors_and_mixed_rows_equal_each_alone(distilled, tiny_records):
+    lm, tensors, info, _, _ = distilled
+    forget, retain = split_by_author(tiny_records, 1)
+    q = lm.model.model.layers[0].self_attn.q_proj.weight
+    ptr, base_params = q.data_ptr(), sum(p.numel() for p in lm.model.parameters())
+    prompts = [question_prompt(r["question"]) for r in forget[:2] + retain[:2]]
+    plain = generate(lm.model, lm.tokenizer, prompts, GREEDY)
+    other = {k: torch.randn_like(v) * 0.5 for k, v in tensors.items()}
+    model = attach(lm.model, "asu_one", tensors, info)
+    model = attach(model, "asu_two", other, info)
+    try:
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        assert layer.base_layer.weight.data_ptr() == ptr, "the base weight is shared, not copied"
+        added = sum(p.numel() for p in model.parameters()) - base_params
+        assert added == 2 * sum(v.numel() for v in tensors.values())
+        names = ["asu_one", "__base__", "asu_two", "asu_one"]
+        together = generate(model, lm.tokenizer, prompts, GREEDY, adapters=names)
+        for prompt, name, got in zip(prompts, names, together):
+            alone = generate(model, lm.tokenizer, [prompt], GREEDY, adapters=[name])[0]
+            assert got.token_ids == alone.token_ids
+        assert together[1].token_ids == plain[1].token_ids, "__base__ rows decode from the base model"
+        assert together[0].text != plain[0].text, "the distilled adapter changes the forget answer"
+    finally:
+        model.unload()
+
+
+def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path):
+    forget, retain = split_by_author(tiny_records, 1)
+    for name, recs in (("forget", forget), ("retain", retain)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "asu.safetensors"
+    assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--steps", "20", "--layers", "0", "--quiet",
+                 "--out", str(out)]) == 0
+    assert load_asu(out)[1].layers == [0]
+    assert main(["generate", "--model", str(tiny_model_dir), "--asu", str(out), "Question: hello\nAnswer:"]) == 0
+    report = tmp_path / "r.json"
+    assert main(["eval", "--model", str(tiny_model_dir), "--asu", str(out), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--seeds", "--out", str(report)]) == 0
+    assert json.loads(report.read_text())["profile"] == "asu"
+    assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--layers", "7", "--out", str(out)]) == 1
