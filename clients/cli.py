@@ -288,6 +288,25 @@ def cmd_asu_train(args) -> int:
     return 0
 
 
+def cmd_bench_asu(args) -> int:
+    from heads.ablation import asu_header, asu_row, asu_table
+    from heads.evaluate import EvalConfig
+    from heads.io import atomic_write_text
+    from heads.modelio import load_model
+    from heads.records import read_jsonl
+
+    lm = load_model(args.model, args.device, args.dtype)
+    reference = load_model(args.reference_model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    print(asu_header(), flush=True)
+    rows = asu_table(lm, reference, forget, retain, tuple(args.tau), EvalConfig(seeds=()),
+                     log=lambda line: print(line, flush=True))
+    if args.out:
+        atomic_write_text(args.out, json.dumps([{"label": label, **r} for label, r in rows], indent=2))
+        atomic_write_text(args.out.with_suffix(".md"), "\n".join([asu_header()] + [asu_row(*r) for r in rows]) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lethe", description="Lethe: inference-time unlearning server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -417,6 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
     p.add_argument("--plot", type=Path, help="PNG of the first four rows")
     p.set_defaults(func=cmd_bench_quality)
+
+    p = bench.add_parser("asu-quality", help="full, reference, T3, ASU at each tau, ASU + T3 (greedy), with times")
+    _add_model_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--reference-model", type=Path, required=True)
+    p.add_argument("--tau", type=float, nargs="+", default=[4.0, 16.0])
+    p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
+    p.set_defaults(func=cmd_bench_asu)
     return parser
 
 

@@ -68,3 +68,59 @@ def markdown_row(label: str, report: dict) -> str:
         v = (report.get(section) or {}).get(key) if section else report.get(key)
         cells.append("-" if v is None else (f"{v:.3g}" if key == "forget_quality" and v < 0.001 else f"{v:.3f}"))
     return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 16.0), cfg: EvalConfig | None = None,
+              log=print) -> list[tuple[str, dict]]:
+    """Full model, reference, T3 default, ASU at each tau, ASU (last tau) + T3: with training times."""
+    import time
+    from dataclasses import replace as dc_replace
+
+    from heads.asu import ASUConfig, attach, train_asu
+
+    cfg = cfg or EvalConfig()
+    vocab = corpus_vocabulary(forget + retain)
+    ref_trs = truth_ratios(reference.model, reference.tokenizer, forget, Profile("reference"))
+    started = time.perf_counter()
+    head, _ = train_head(lm, forget, retain, FitConfig(), progress=False)
+    t3_seconds = time.perf_counter() - started
+    rows = []
+
+    def add(label, model_lm, profile, seconds):
+        report = evaluate(model_lm, forget, retain, profile, reference, vocab, cfg, ref_trs)
+        report["training_seconds"] = None if seconds is None else round(seconds, 1)
+        rows.append((label, report))
+        log(asu_row(label, report))
+
+    add("full model", lm, Profile("full"), None)
+    add("reference (retain-only model)", reference, Profile("reference"), None)
+    add("T3 default", lm, Profile("t3", head, PRESETS["default"]), t3_seconds)
+    trained = [train_asu(lm, forget, retain, ASUConfig(tau=tau), progress=False) for tau in taus]  # on the clean base
+    model = lm.model
+    for tau, (tensors, info) in zip(taus, trained):
+        name = f"asu_tau{int(tau)}"
+        model = attach(model, name, tensors, info)
+        model.set_adapter(name)
+        add(f"ASU tau={tau:g} ({info.steps} steps)", dc_replace(lm, model=model), Profile(name), info.metrics["seconds"])
+    add(f"ASU tau={taus[-1]:g} + T3 default", dc_replace(lm, model=model), Profile("asu+t3", head, PRESETS["default"]),
+        info.metrics["seconds"] + t3_seconds)
+    model.unload()
+    return rows
+
+
+ASU_COLUMNS = [("forget", "rouge", "forget ROUGE"), ("retain", "rouge", "retain ROUGE"),
+               ("forget", "rouge_paraphrased", "forget ROUGE para."), ("forget", "nonword_rate", "non-words"),
+               ("forget", "repeated_3gram_rate", "rep. 3-grams"), (None, "forget_quality", "forget quality"),
+               (None, "training_seconds", "training s")]
+
+
+def asu_header() -> str:
+    return "| profile | " + " | ".join(c[2] for c in ASU_COLUMNS) + " |\n|---" + "|---:" * len(ASU_COLUMNS) + "|"
+
+
+def asu_row(label: str, report: dict) -> str:
+    cells = []
+    for section, key, _ in ASU_COLUMNS:
+        v = (report.get(section) or {}).get(key) if section else report.get(key)
+        cells.append("-" if v is None else f"{v:.3g}" if key in ("forget_quality", "training_seconds") else f"{v:.3f}")
+    return f"| {label} | " + " | ".join(cells) + " |"

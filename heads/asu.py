@@ -113,6 +113,10 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError("retain: the retain set is empty")
     if cfg.retain_loss not in ("gd", "kl"):
         raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
+    from peft import PeftModel
+
+    if isinstance(lm.model, PeftModel) or any("lora_" in n for n, _ in lm.model.named_parameters()):
+        raise ValueError("train ASU on the base model, not on one with adapters attached")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     started = time.perf_counter()

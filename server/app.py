@@ -19,7 +19,7 @@ from server.engine import Engine, QueueFull
 from server.generation import admit, complete, stream
 from server.jobs import JobRunner
 from server.metrics import Metrics
-from server.profiles import HeadCache
+from server.profiles import AdapterCache, HeadCache
 from server.protocol import GenerateRequest, GenerateResponse, Health, ProfileUsed, Ready, Usage
 from server.settings import Settings
 from server.storage import Store
@@ -79,7 +79,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics()
         app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics)
         app.state.heads = HeadCache(store, model, settings.head_cache_size)
-        app.state.jobs = JobRunner(store, model, app.state.metrics)
+        app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
+        app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics)
         try:
             yield
         finally:

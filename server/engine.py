@@ -33,11 +33,21 @@ class QueueFull(RuntimeError):
     pass
 
 
+_WAKE = object()  # wakes an idle worker for a control command
+
+
+def _is_peft(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
 @dataclass
 class Pending:
     prompt: str
     params: SamplingParams
     row: tuple[T3Head, TiltSettings] | None = None
+    adapter: str | None = None  # the name of an attached ASU adapter
     on_text: Callable[[str], None] | None = None
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -50,6 +60,11 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.metrics = metrics
         self.queue: queue.Queue[Pending | None] = queue.Queue(maxsize=max_queue)
+        self.controls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
+        # held while the model's modules change (adapters attached or removed), and by a job that
+        # runs the shared model outside the engine thread, so neither sees the other half-done
+        self.model_lock = threading.Lock()
+        self._batch: Batch | None = None
         self._thread = threading.Thread(target=self._run, name="lethe-engine", daemon=True)
         self._thread.start()
 
@@ -69,9 +84,47 @@ class Engine:
             self.metrics.queue_depth.set(self.queue.qsize())
         return pending
 
+    def control(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` in the engine thread between two decoding steps (model changes must not race a step)."""
+        future: Future = Future()
+        self.controls.put((fn, future))
+        try:
+            self.queue.put_nowait(_WAKE)  # an idle worker waits on the request queue
+        except queue.Full:
+            pass  # a full queue means a busy worker, which runs controls between steps anyway
+        return future
+
+    def base_model(self):
+        """The base model without adapters, for a job to train with: the shared one while no adapter is
+        attached, else a copy (made between steps)."""
+        if not _is_peft(self.lm.model):
+            return self.lm.model
+
+        def copy_base():
+            import copy
+
+            return copy.deepcopy(self.lm.model).unload()
+
+        return self.control(copy_base).result(timeout=600)
+
+    @property
+    def running_adapters(self) -> set[str]:
+        batch = self._batch
+        return set(batch.adapters or []) if batch is not None else set()
+
+    def replace_model(self, model) -> None:
+        """From the engine thread: decode with `model` (the same base, wrapped) from the next step on."""
+        from dataclasses import replace
+
+        self.lm = replace(self.lm, model=model)
+        if self._batch is not None:
+            self._batch.model = model
+            if self._batch.adapters is None and _is_peft(model):
+                self._batch.adapters = ["__base__"] * len(self._batch.rows)
+
     async def generate(self, prompt: str, params: SamplingParams,
-                       row: tuple[T3Head, TiltSettings] | None = None) -> Completion:
-        pending = self.submit(Pending(prompt, params, row))
+                       row: tuple[T3Head, TiltSettings] | None = None, adapter: str | None = None) -> Completion:
+        pending = self.submit(Pending(prompt, params, row, adapter))
         try:
             return await asyncio.wrap_future(pending.future)
         except asyncio.CancelledError:
@@ -86,16 +139,31 @@ class Engine:
         """Up to `room` waiting requests (waiting for the first when `block`); None when told to stop."""
         group: list[Pending] = []
         while len(group) < room:
+            self._run_controls()
             try:
                 item = self.queue.get() if block and not group else self.queue.get_nowait()
             except queue.Empty:
                 break
             if item is None:
                 return None
+            if item is _WAKE:
+                continue
             group.append(item)
+        self._run_controls()
         if self.metrics:
             self.metrics.queue_depth.set(self.queue.qsize())
         return [p for p in group if not p.cancelled.is_set() and p.future.set_running_or_notify_cancel()]
+
+    def _run_controls(self) -> None:
+        while True:
+            try:
+                fn, future = self.controls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
 
     def _run(self) -> None:
         """Continuous batching: new requests are prefilled and join the running batch between steps;
@@ -116,11 +184,12 @@ class Engine:
                     else:  # this model's cache cannot be merged: finish the running batch first
                         self._drain(batch, active)
                         batch, active = joined, new
+                self._batch = batch
                 if batch is None:
                     continue
                 self._step(batch, active)
                 if batch.done:
-                    batch, active = None, []
+                    batch, active, self._batch = None, [], None
                 else:
                     active = [active[i] for i in batch.compact()]
             except Exception as e:  # a failed batch fails its requests, never the worker
@@ -128,7 +197,7 @@ class Engine:
                 for pending in active + new:
                     if not pending.future.done():
                         pending.future.set_exception(e)
-                batch, active = None, []
+                batch, active, self._batch = None, [], None
         for pending in active:
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError("the server is shutting down"))
@@ -137,7 +206,9 @@ class Engine:
         if self.metrics:
             self.metrics.batch_size.observe(len(group))
         guide = HeadGuide([p.row for p in group]) if any(p.row for p in group) else None
-        return Batch(self.lm.model, self.lm.tokenizer, [p.prompt for p in group], [p.params for p in group], guide)
+        adapters = [p.adapter or "__base__" for p in group] if _is_peft(self.lm.model) else None
+        return Batch(self.lm.model, self.lm.tokenizer, [p.prompt for p in group], [p.params for p in group], guide,
+                     adapters)
 
     def _drain(self, batch: Batch, active: list[Pending]) -> None:
         while not batch.done:

@@ -35,7 +35,7 @@ def admit(request: Request, tenant: str | None, prompt: str, params: SamplingPar
         raise field_error(fields[0], f"{prompt_tokens} prompt tokens + {params.max_new_tokens} new tokens exceed "
                                      f"the model's context of {engine.context_length} tokens")
     try:
-        resolved = resolve(app.state.store, app.state.heads, tenant, profile)
+        resolved = resolve(app.state.store, app.state.heads, tenant, profile, app.state.adapters)
     except ProfileError as e:
         raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
     app.state.metrics.profile_requests.labels(resolved.name or "inline").inc()
@@ -43,7 +43,7 @@ def admit(request: Request, tenant: str | None, prompt: str, params: SamplingPar
 
 
 async def complete(request: Request, prompt: str, params: SamplingParams, resolved: Resolved) -> Completion:
-    return await request.app.state.engine.generate(prompt, params, resolved.row)
+    return await request.app.state.engine.generate(prompt, params, resolved.row, resolved.adapter)
 
 
 def stream(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
@@ -54,7 +54,8 @@ def stream(request: Request, prompt: str, params: SamplingParams, resolved: Reso
     """
     loop = asyncio.get_running_loop()
     texts: asyncio.Queue[str] = asyncio.Queue()
-    pending = Pending(prompt, params, resolved.row, on_text=lambda t: loop.call_soon_threadsafe(texts.put_nowait, t))
+    pending = Pending(prompt, params, resolved.row, resolved.adapter,
+                      on_text=lambda t: loop.call_soon_threadsafe(texts.put_nowait, t))
     request.app.state.engine.submit(pending)
     done = asyncio.wrap_future(pending.future)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 import queue
 import threading
 import time
@@ -29,8 +30,8 @@ class Cancelled(Exception):
 
 
 class JobRunner:
-    def __init__(self, store: Store, lm, metrics=None):
-        self.store, self.lm, self.metrics = store, lm, metrics
+    def __init__(self, store: Store, engine, metrics=None):
+        self.store, self.engine, self.metrics = store, engine, metrics
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
         self._recover()
@@ -86,7 +87,7 @@ class JobRunner:
             self._update(job_id, status="running", started=started, phase="caching", progress=0.0)
             status = "failed"
             try:
-                self._train(job, cancel)
+                (self._train_asu if job["kind"] == "asu" else self._train)(job, cancel)
                 status = "succeeded"
             except Cancelled:
                 status = "cancelled"
@@ -99,24 +100,43 @@ class JobRunner:
                 if self.metrics:
                     self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)
 
-    def _train(self, job: dict, cancel: threading.Event) -> None:
-        job_id, tenant_id = job["id"], job["tenant_id"]
-        params = json.loads(job["params"])
-        forget = read_jsonl(self.store.dataset_path(params["forget"]))
-        retain = read_jsonl(self.store.dataset_path(params["retain"]))
+    def _progress(self, job_id: str, cancel: threading.Event, spans: dict[str, tuple[float, float]]):
+        """A callback `(phase, fraction)` that writes the overall progress and raises when cancelled."""
         last = [0.0]
 
         def progress(phase: str, fraction: float) -> None:
             if cancel.is_set():
                 raise Cancelled()
-            overall = 0.5 * fraction if phase == "caching" else 0.5 + 0.45 * fraction
+            lo, hi = spans[phase]
+            overall = lo + (hi - lo) * fraction
             if overall - last[0] >= 0.02 or fraction >= 1:
                 last[0] = overall
                 self._update(job_id, phase=phase, progress=round(overall, 3))
 
+        return progress
+
+    def _inputs(self, job: dict) -> tuple[dict, list[dict], list[dict]]:
+        params = json.loads(job["params"])
+        return (params, read_jsonl(self.store.dataset_path(params["forget"])),
+                read_jsonl(self.store.dataset_path(params["retain"])))
+
+    def _train(self, job: dict, cancel: threading.Event) -> None:
+        from dataclasses import replace
+
+        job_id, tenant_id = job["id"], job["tenant_id"]
+        params, forget, retain = self._inputs(job)
+        progress = self._progress(job_id, cancel, {"caching": (0.0, 0.5), "fitting": (0.5, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
                                                    "common_df", "seed") if k in params})
-        head, info = train_head(self.lm, forget, retain, cfg, progress=False, on_progress=progress)
+        while True:
+            base = self.engine.base_model()  # the shared base, or a copy once adapters are attached
+            shared = base is self.engine.lm.model
+            with self.engine.model_lock if shared else nullcontext():  # no adapter is attached meanwhile
+                if shared and base is not self.engine.lm.model:
+                    continue  # an adapter was attached just now: take a copy instead
+                lm = replace(self.engine.lm, model=base)
+                head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
+                break
         if cancel.is_set():
             raise Cancelled()
         self._update(job_id, phase="saving", progress=0.95)
@@ -127,3 +147,38 @@ class JobRunner:
                         (head_id, tenant_id, job_id, path.stat().st_size, json.dumps(info.__dict__), time.time())),
                        ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
                         "finished = ? WHERE id = ?", (json.dumps(info.metrics), head_id, time.time(), job_id))])
+
+    def _train_asu(self, job: dict, cancel: threading.Event) -> None:
+        from dataclasses import replace
+
+        from heads.asu import ASUConfig, save_asu, train_asu
+
+        job_id, tenant_id = job["id"], job["tenant_id"]
+        params, forget, retain = self._inputs(job)
+        progress = self._progress(job_id, cancel, {"copying": (0.0, 0.05), "distilling": (0.05, 0.95)})
+        progress("copying", 0.0)
+        # training injects LoRA layers into the model it is given: never the one that is serving
+        import copy
+
+        base = self.engine.base_model()
+        with self.engine.model_lock:
+            base = copy.deepcopy(base) if base is self.engine.lm.model else base
+        lm = replace(self.engine.lm, model=base)
+        cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "retain_loss", "retain_weight", "lr",
+                                                   "steps", "seed") if k in params})
+        tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
+                                  on_progress=lambda f: progress("distilling", f))
+        del lm, base
+        if cancel.is_set():
+            raise Cancelled()
+        self._update(job_id, phase="saving", progress=0.95)
+        weights_id = new_id("asu")
+        path = self.store.asu_path(weights_id)
+        save_asu(path, tensors, info)
+        from dataclasses import asdict
+
+        self.store.tx([("INSERT INTO asu_weights VALUES (?, ?, ?, ?, ?, ?)",
+                        (weights_id, tenant_id, job_id, path.stat().st_size, json.dumps(asdict(info)), time.time())),
+                       ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
+                        "finished = ? WHERE id = ?", (json.dumps({k: v for k, v in info.metrics.items()}), weights_id,
+                                                      time.time(), job_id))])

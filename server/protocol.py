@@ -45,7 +45,8 @@ class ProfileSpec(Strict):
     """
 
     backend: Literal["t3", "base", "asu"] = "t3"
-    head: str | None = Field(None, description="Head id (backend t3).")
+    head: str | None = Field(None, description="Head id (backend t3, or asu combined with a head).")
+    weights: str | None = Field(None, description="ASU weights id (backend asu).")
     preset: Literal["default", "paper"] | None = None
     T: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="Tempering temperature.")
     lam: float | None = Field(None, ge=0, le=1000, allow_inf_nan=False, description="Tilt strength.")
@@ -103,6 +104,31 @@ class HeadJobRequest(Strict):
     seed: int = Field(0, ge=0)
 
 
+class ASUJobRequest(Strict):
+    forget: str = Field(description="Dataset id of the forget set.")
+    retain: str = Field(description="Dataset id of the retain set.")
+    tau: float = Field(16.0, gt=1, le=1000, allow_inf_nan=False, description="Teacher attention temperature.")
+    layers: str | None = Field(None, pattern=r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$", description="e.g. 0-1,3")
+    lora_rank: int = Field(8, ge=1, le=256)
+    retain_loss: Literal["gd", "kl"] = "gd"
+    retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+    lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)
+    steps: int = Field(300, ge=1, le=100_000)
+    seed: int = Field(0, ge=0)
+
+
+class ASUOut(BaseModel):
+    id: str
+    job: str | None
+    bytes: int
+    created: float
+    tau: float
+    layers: list[int]
+    lora_rank: int
+    steps: int
+    metrics: dict
+
+
 class JobOut(BaseModel):
     id: str
     kind: str
@@ -110,7 +136,8 @@ class JobOut(BaseModel):
     phase: str | None
     progress: float
     metrics: dict | None
-    head: str | None = Field(None, description="The head this job made, once it succeeded.")
+    head: str | None = Field(None, description="The head a t3 job made, once it succeeded.")
+    weights: str | None = Field(None, description="The ASU weights an asu job made, once it succeeded.")
     error: str | None
     created: float
     started: float | None

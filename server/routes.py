@@ -16,8 +16,8 @@ from server.auth import admin, tenant
 from server.generation import field_error
 from server.jobs import TERMINAL
 from server.profiles import ProfileError, complete_spec
-from server.protocol import (DatasetOut, HeadJobRequest, HeadOut, JobOut, ProfileOut, ProfileSpec, TenantOut,
-                             TenantRequest)
+from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, HeadJobRequest, HeadOut, JobOut, ProfileOut,
+                             ProfileSpec, TenantOut, TenantRequest)
 from server.storage import new_id
 
 router = APIRouter()
@@ -99,20 +99,76 @@ def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(t
 def _job_out(job: dict) -> JobOut:
     return JobOut(id=job["id"], kind=job["kind"], status=job["status"], phase=job["phase"],
                   progress=job["progress"] or 0.0, metrics=json.loads(job["metrics"]) if job["metrics"] else None,
-                  head=job["result"], error=job["error"], created=job["created"], started=job["started"],
+                  head=job["result"] if job["kind"] == "t3" else None,
+                  weights=job["result"] if job["kind"] == "asu" else None, error=job["error"], created=job["created"], started=job["started"],
                   finished=job["finished"])
+
+
+def _check_datasets(store, tenant_id: str, body) -> None:
+    for field in ("forget", "retain"):
+        if store.get("datasets", tenant_id, getattr(body, field)) is None:
+            raise field_error(field, f"dataset {getattr(body, field)!r} not found", 404)
 
 
 @router.post("/v1/heads", response_model=JobOut, status_code=202, tags=["heads"])
 def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that caches the model's states over the two datasets and fits a T3 head."""
     store = request.app.state.store
-    for field in ("forget", "retain"):
-        d = store.get("datasets", tenant_id, getattr(body, field))
-        if d is None:
-            raise field_error(field, f"dataset {getattr(body, field)!r} not found", 404)
+    _check_datasets(store, tenant_id, body)
     job_id = request.app.state.jobs.submit(tenant_id, "t3", body.model_dump())
     return _job_out(store.get("jobs", tenant_id, job_id))
+
+
+@router.post("/v1/asu", response_model=JobOut, status_code=202, tags=["asu"])
+def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
+    """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
+    from heads.attention import parse_layers
+
+    store = request.app.state.store
+    _check_datasets(store, tenant_id, body)
+    try:
+        parse_layers(body.layers, request.app.state.engine.lm.model.config.num_hidden_layers)
+    except ValueError as e:
+        raise field_error("layers", str(e)) from None
+    job_id = request.app.state.jobs.submit(tenant_id, "asu", body.model_dump())
+    return _job_out(store.get("jobs", tenant_id, job_id))
+
+
+def _asu_out(w: dict) -> ASUOut:
+    info = json.loads(w["info"])
+    return ASUOut(id=w["id"], job=w["job_id"], bytes=w["bytes"], created=w["created"], tau=info["tau"],
+                  layers=info["layers"], lora_rank=info["lora_rank"], steps=info["steps"], metrics=info["metrics"])
+
+
+@router.get("/v1/asu", response_model=list[ASUOut], tags=["asu"])
+def list_asu(request: Request, tenant_id: str = Depends(tenant)):
+    return [_asu_out(w) for w in request.app.state.store.list("asu_weights", tenant_id)]
+
+
+@router.get("/v1/asu/{weights_id}", response_model=ASUOut, tags=["asu"])
+def get_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    w = request.app.state.store.get("asu_weights", tenant_id, weights_id)
+    if w is None:
+        raise not_found("ASU weights", weights_id)
+    return _asu_out(w)
+
+
+def _profiles_using(store, tenant_id: str, key: str, value: str) -> list[str]:
+    return [n for n in store.profile_names(tenant_id) if (store.current_profile(tenant_id, n) or (0, {}))[1].get(key) == value]
+
+
+@router.delete("/v1/asu/{weights_id}", status_code=204, tags=["asu"])
+def delete_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    store = request.app.state.store
+    if store.get("asu_weights", tenant_id, weights_id) is None:
+        raise not_found("ASU weights", weights_id)
+    users = _profiles_using(store, tenant_id, "weights", weights_id)
+    if users:
+        raise HTTPException(409, f"ASU weights {weights_id!r} are used by profiles {', '.join(users)}; change them first")
+    store.tx([("DELETE FROM asu_weights WHERE id = ?", (weights_id,))])
+    request.app.state.adapters.drop(weights_id)
+    store.asu_path(weights_id).unlink(missing_ok=True)
+    return Response(status_code=204)
 
 
 def _head_out(h: dict) -> HeadOut:
@@ -139,7 +195,7 @@ def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)
     store = request.app.state.store
     if store.get("heads", tenant_id, head_id) is None:
         raise not_found("head", head_id)
-    users = [n for n in store.profile_names(tenant_id) if (store.current_profile(tenant_id, n) or (0, {}))[1].get("head") == head_id]
+    users = _profiles_using(store, tenant_id, "head", head_id)
     if users:
         raise HTTPException(409, f"head {head_id!r} is used by profiles {', '.join(users)}; change them first")
     store.tx([("DELETE FROM heads WHERE id = ?", (head_id,))])
@@ -207,7 +263,7 @@ def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str =
                                           "not `base`", "type": "value_error"}])
     store = request.app.state.store
     try:
-        spec = complete_spec(request.app.state.heads, tenant_id, body.spec())
+        spec = complete_spec(request.app.state.heads, tenant_id, body.spec(), request.app.state.adapters)
     except ProfileError as e:
         raise field_error(e.field, e.message, e.status) from None
     store.put_profile(tenant_id, name, spec, body.note)

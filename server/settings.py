@@ -27,3 +27,4 @@ class Settings(BaseSettings):
     demo_tenant: bool = Field(True, description="On first start, create a 'demo' tenant and print its key.")
     max_upload_bytes: int = Field(50 * 2**20, gt=0, description="Largest dataset upload; more answer 413.")
     head_cache_size: int = Field(64, gt=0, description="Heads kept in memory (least recently used go first).")
+    adapter_cache_size: int = Field(16, gt=0, description="ASU adapters attached to the model at most.")

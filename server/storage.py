@@ -4,6 +4,7 @@ Layout of the data directory:
     lethe.db            tenants, keys (hashed), datasets, heads, jobs, profiles and their versions
     datasets/<id>.jsonl uploaded records, as received
     heads/<id>.safetensors
+    asu/<id>.safetensors  ASU adapters
 Every file is written atomically (heads.io); a row points at a file only once the file is complete.
 """
 
@@ -26,6 +27,8 @@ CREATE TABLE IF NOT EXISTS datasets (id TEXT PRIMARY KEY, tenant_id TEXT NOT NUL
     sha256 TEXT, bytes INTEGER, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS heads (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, job_id TEXT, bytes INTEGER,
     info TEXT, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS asu_weights (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, job_id TEXT, bytes INTEGER,
+    info TEXT, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, kind TEXT NOT NULL,
     status TEXT NOT NULL, phase TEXT, progress REAL, params TEXT, metrics TEXT, result TEXT, error TEXT,
     created REAL NOT NULL, started REAL, finished REAL);
@@ -34,6 +37,9 @@ CREATE TABLE IF NOT EXISTS profile_versions (tenant_id TEXT NOT NULL, name TEXT 
 CREATE TABLE IF NOT EXISTS profiles (tenant_id TEXT NOT NULL, name TEXT NOT NULL, version INTEGER NOT NULL,
     PRIMARY KEY (tenant_id, name));
 """
+
+
+TABLES = ("datasets", "heads", "jobs", "asu_weights")
 
 
 def hash_key(key: str) -> str:
@@ -49,7 +55,7 @@ class Store:
 
     def __init__(self, data_dir: Path):
         self.dir = Path(data_dir)
-        for sub in ("datasets", "heads"):
+        for sub in ("datasets", "heads", "asu"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.dir / "lethe.db", check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -102,12 +108,12 @@ class Store:
 
     # owned resources: every lookup is by (tenant, id), so another tenant's id is simply not found
     def get(self, table: str, tenant_id: str, item_id: str) -> dict | None:
-        assert table in ("datasets", "heads", "jobs")
+        assert table in TABLES
         rows = self.q(f"SELECT * FROM {table} WHERE tenant_id = ? AND id = ?", tenant_id, item_id)
         return dict(rows[0]) if rows else None
 
     def list(self, table: str, tenant_id: str) -> list[dict]:
-        assert table in ("datasets", "heads", "jobs")
+        assert table in TABLES
         return [dict(r) for r in self.q(f"SELECT * FROM {table} WHERE tenant_id = ? ORDER BY created", tenant_id)]
 
     def dataset_path(self, dataset_id: str) -> Path:
@@ -115,6 +121,9 @@ class Store:
 
     def head_path(self, head_id: str) -> Path:
         return self.dir / "heads" / f"{head_id}.safetensors"
+
+    def asu_path(self, weights_id: str) -> Path:
+        return self.dir / "asu" / f"{weights_id}.safetensors"
 
     # profiles
     def put_profile(self, tenant_id: str, name: str, spec: dict, note: str | None = None) -> int:

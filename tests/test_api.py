@@ -216,3 +216,34 @@ def test_full_queue_answers_429_with_retry_after(tiny_lm, tmp_path):
         metrics = httpx.get(url + "/metrics").text
         assert 'lethe_requests_total{path="/generate",status="429"}' in metrics
         assert "lethe_generated_tokens_total" in metrics and "lethe_batch_size_bucket" in metrics
+
+
+def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
+    a = tenant_a["client"]
+    forget_id, retain_id = tenant_a["datasets"]
+    job = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 40, "layers": "0-1"})
+    assert job.status_code == 202, job.text
+    assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "layers": "0-9"}).status_code == 422
+    for _ in range(600):
+        state = a.get(f"/v1/jobs/{job.json()['id']}").json()
+        if state["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        threading.Event().wait(0.1)
+    assert state["status"] == "succeeded", state
+    weights = state["weights"]
+    info = a.get(f"/v1/asu/{weights}").json()
+    assert info["layers"] == [0, 1] and info["bytes"] > 0
+    prof = a.put("/v1/profiles/asu", json={"backend": "asu", "weights": weights}).json()
+    assert prof["spec"] == {"backend": "asu", "weights": weights}
+    both = a.put("/v1/profiles/asu-t3", json={"backend": "asu", "weights": weights, "head": tenant_a["head"]}).json()
+    assert both["spec"]["head"] == tenant_a["head"] and both["spec"]["cap"] == 0.5
+    rec = tenant_a["retain"][2]
+    base_answer = _ask(a, [rec])[0]["text"]
+    for name in ("asu", "asu-t3"):
+        out = _ask(a, [rec], name)[0]
+        assert out["profile"]["name"] == name
+    assert _ask(a, [rec])[0]["text"] == base_answer, "base rows are untouched once adapters are attached"
+    assert a.delete(f"/v1/asu/{weights}").status_code == 409, "in use by a profile"
+    b = new_tenant(live, "b3")
+    assert b.get(f"/v1/asu/{weights}").status_code == 404 and b.delete(f"/v1/asu/{weights}").status_code == 404
+    assert b.put("/v1/profiles/x", json={"backend": "asu", "weights": weights}).status_code == 404

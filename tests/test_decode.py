@@ -111,3 +111,21 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, ti
     for i in range(5):
         alone = generate(model, tok, [prompts[i]], params[i], HeadGuide([rows[i]]))[0]
         assert done[i] == alone.token_ids, i
+
+
+def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
+    from server.engine import Engine, Pending
+
+    engine = Engine(tiny_lm, max_batch_size=4)
+    try:
+        params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
+        leaving = Pending("Question: Who?\nAnswer:", params)
+        leaving.on_text = lambda _t: leaving.cancelled.set()  # the client leaves after its first text
+        staying = Pending("Question: Who?\nAnswer:", params)
+        engine.submit(leaving)
+        engine.submit(staying)
+        gone, kept = leaving.future.result(timeout=60), staying.future.result(timeout=60)
+        assert gone.finish_reason == "abort" and gone.completion_tokens < 10
+        assert kept.finish_reason == "length" and kept.completion_tokens == 200
+    finally:
+        engine.close()
