@@ -10,6 +10,7 @@ import pytest
 
 from heads.demo.corpus import split_by_author
 from heads.metrics import rouge_l_recall
+from heads.modelio import load_model
 from heads.records import question_prompt
 from live_server import new_tenant, running_server
 
@@ -19,8 +20,10 @@ def _jsonl(records) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def live(tiny_lm, tmp_path_factory):
-    with running_server(tiny_lm, tmp_path_factory.mktemp("data"), max_new_tokens_limit=128) as url:
+def live(tiny_model_dir, tmp_path_factory):
+    # a model of its own: the server attaches ASU adapters to it in place
+    lm = load_model(tiny_model_dir)
+    with running_server(lm, tmp_path_factory.mktemp("data"), max_new_tokens_limit=128) as url:
         yield url
 
 
