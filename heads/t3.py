@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict
 
 from heads.cache import build_cache
-from heads.guide import PRESETS
+from heads.guide import PRESETS, TiltSettings
 from heads.head import HeadInfo, T3Head
 from heads.modelio import LoadedModel
 from heads.records import PROMPT_FORMAT, examples
@@ -36,3 +36,30 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
                     vocab=lm.model.config.vocab_size, rank=cfg.rank, prompt_format=PROMPT_FORMAT,
                     profile=asdict(PRESETS["default"]), training=metrics.pop("config"), metrics=metrics)
     return head, info
+
+
+def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[dict], n: int = 24) -> dict:
+    """Greedy ROUGE-L recall with and without the head on up to `n` records of each set that have
+    TOFU fields: a first look at whether the head forgets and keeps what it should."""
+    import statistics
+
+    from heads.decode import generate_chunked
+    from heads.guide import HeadGuide
+    from heads.metrics import rouge_l_recall
+    from heads.records import question_prompt
+    from heads.sampling import SamplingParams
+
+    out = {}
+    guide = HeadGuide.uniform(head, TiltSettings.from_dict(PRESETS["default"].as_dict()))
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    for name, records in (("forget", forget), ("retain", retain)):
+        qa = [r for r in records if "question" in r and "answer" in r]
+        qa = qa[:: max(1, len(qa) // n)][:n]
+        if not qa:
+            continue
+        prompts = [question_prompt(r["question"]) for r in qa]
+        for label, g in (("base", None), ("head", guide)):
+            texts = [c.text for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, guide=g)]
+            out[f"sample_{name}_rouge_{label}"] = round(
+                statistics.fmean(rouge_l_recall(r["answer"], t) for r, t in zip(qa, texts)), 4)
+    return out

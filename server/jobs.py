@@ -1,7 +1,7 @@
 """Training jobs: queued in SQLite, run one at a time by a worker thread.
 
-A job moves through queued -> running (phases: caching, fitting, saving) -> succeeded, failed or
-cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
+A job moves through queued -> running (phases: caching, fitting, evaluating, saving; for ASU:
+copying, distilling, saving) -> succeeded, failed or cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
 event stream read. The head file is written atomically before its row is inserted, so a crash
 leaves either no head or a complete one; at start-up a job that was running is marked failed.
 """
@@ -17,7 +17,7 @@ import time
 
 from heads.head import save_head
 from heads.records import read_jsonl
-from heads.t3 import train_head
+from heads.t3 import quick_check, train_head
 from heads.train import FitConfig
 from server.storage import Store, new_id
 
@@ -125,7 +125,8 @@ class JobRunner:
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
-        progress = self._progress(job_id, cancel, {"caching": (0.0, 0.5), "fitting": (0.5, 0.95)})
+        progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.85),
+                                                    "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
                                                    "common_df", "seed") if k in params})
         while True:
@@ -136,6 +137,8 @@ class JobRunner:
                     continue  # an adapter was attached just now: take a copy instead
                 lm = replace(self.engine.lm, model=base)
                 head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
+                progress("evaluating", 0.0)
+                info.metrics |= quick_check(lm, head, forget, retain)
                 break
         if cancel.is_set():
             raise Cancelled()
