@@ -162,8 +162,10 @@ def cmd_heads_train(args) -> int:
     from heads.t3 import train_head
     from heads.train import FitConfig
 
+    if args.out is None:
+        raise UsageError("heads train: --out is required offline")
     lm = load_model(args.model, args.device, args.dtype)
-    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    forget, retain = read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
                     balance=args.balance, common_df=args.common_df, seed=args.seed)
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
@@ -275,8 +277,10 @@ def cmd_asu_train(args) -> int:
     from heads.modelio import load_model
     from heads.records import read_jsonl
 
+    if args.out is None:
+        raise UsageError("asu train: --out is required offline")
     lm = load_model(args.model, args.device, args.dtype)
-    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    forget, retain = read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
     cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed)
     tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
@@ -307,8 +311,26 @@ def cmd_bench_asu(args) -> int:
     return 0
 
 
+def cmd_openapi(args) -> int:
+    from server.openapi_doc import main as render
+
+    print(render(args.markdown), end="" if args.markdown else "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lethe", description="Lethe: inference-time unlearning server.")
+    import os
+
+    from clients import remote
+
+    parser = argparse.ArgumentParser(
+        prog="lethe", description="Lethe: inference-time unlearning server.",
+        epilog="Exit codes: 0 success; 1 the command failed (the server refused it, or a job failed); 2 bad usage; "
+               "3 the server could not be reached.")
+    parser.add_argument("--url", default=os.environ.get("LETHE_URL"),
+                        help="a Lethe server: run server commands against it ($LETHE_URL)")
+    parser.add_argument("--key", default=os.environ.get("LETHE_KEY"), help="API key ($LETHE_KEY)")
+    parser.add_argument("--field", help="with --url: print only this field of the answer (e.g. id, head)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the HTTP server")
@@ -356,13 +378,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt")
     p.add_argument("--input", type=Path, help="JSON Lines, one {\"prompt\": ...} per line")
     p.add_argument("--output", type=Path, help="JSON Lines out, one {\"prompt\", \"text\"} per line")
-    p.set_defaults(func=cmd_generate)
+    p.add_argument("--profile", help="with --url: the profile to generate with (default: base)")
+    p.add_argument("--stream", action="store_true", help="with --url: print the text as it comes")
+    p.set_defaults(func=cmd_generate, remote=remote.generate)
 
     heads = sub.add_parser("heads", help="T3 heads, offline").add_subparsers(dest="heads", required=True)
-    p = heads.add_parser("train", help="cache the model's states over forget and retain sets and fit a head")
+    p = heads.add_parser("train", help="fit a head: offline, or on the server with --url",
+                         description="Offline: cache the model's states over the sets and fit a head to --out. "
+                                     "With --url: start a job on the server (sets given as dataset ids or local "
+                                     "files, which are uploaded first); --wait follows it with a progress bar.")
     _add_model_args(p)
-    p.add_argument("--forget", type=Path, required=True, help="JSON Lines forget set")
-    p.add_argument("--retain", type=Path, required=True, help="JSON Lines retain set")
+    p.add_argument("--forget", required=True, help="forget set: JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--retain", required=True, help="retain set: JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
     p.add_argument("--rank", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--weight-decay", type=float, default=1e-2)
@@ -374,8 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(1.0: all do, as in the reference)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--out", type=Path, required=True, help="head file to write (safetensors)")
-    p.set_defaults(func=cmd_heads_train)
+    p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
+    p.set_defaults(func=cmd_heads_train, remote=remote.heads_train)
+    for action in ("list", "get", "delete"):
+        q = heads.add_parser(action, help=f"{action} the server's heads (needs --url)")
+        if action != "list":
+            q.add_argument("id")
+        q.set_defaults(func=None, remote=remote.resources("heads"), action=action)
 
     p = heads.add_parser("import-reference", help="convert an open-unlearning T3 save into a Lethe head")
     _add_model_args(p)
@@ -384,10 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_heads_import)
 
     asu = sub.add_parser("asu", help="ASU adapters, offline").add_subparsers(dest="asu", required=True)
-    p = asu.add_parser("train", help="distil LoRA adapters towards a tempered-attention teacher")
+    p = asu.add_parser("train", help="distil LoRA adapters towards a tempered-attention teacher (offline, or --url)")
     _add_model_args(p)
-    p.add_argument("--forget", type=Path, required=True)
-    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--forget", required=True, help="JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--retain", required=True, help="JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
     p.add_argument("--tau", type=float, default=16.0, help="attention temperature of the teacher (default 16)")
     p.add_argument("--layers", default=None, help="layers to temper, e.g. 0-1,3 (default: all)")
     p.add_argument("--lora-rank", type=int, default=8)
@@ -397,8 +431,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300, help="at most; stops early when the forget KL stalls")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--out", type=Path, required=True)
-    p.set_defaults(func=cmd_asu_train)
+    p.add_argument("--out", type=Path, help="weights file to write; offline only, required there")
+    p.set_defaults(func=cmd_asu_train, remote=remote.asu_train)
+    for action in ("list", "get", "delete"):
+        q = asu.add_parser(action, help=f"{action} the server's ASU weights (needs --url)")
+        if action != "list":
+            q.add_argument("id")
+        q.set_defaults(func=None, remote=remote.resources("asu"), action=action)
+
+    p = sub.add_parser("openapi", help="print the HTTP API's OpenAPI schema (or, --markdown, the README table)")
+    p.add_argument("--markdown", action="store_true")
+    p.set_defaults(func=cmd_openapi)
+
+    ds = sub.add_parser("datasets", help="datasets on the server (needs --url)").add_subparsers(dest="action",
+                                                                                             required=True)
+    q = ds.add_parser("upload", help="upload a JSON Lines file")
+    q.add_argument("file", type=Path)
+    q.add_argument("--name")
+    ds.add_parser("list", help="list datasets")
+    for action in ("get", "delete"):
+        ds.add_parser(action, help=f"{action} a dataset").add_argument("id")
+    for q in ds.choices.values():
+        q.set_defaults(func=None, remote=remote.datasets)
+
+    jb = sub.add_parser("jobs", help="training jobs on the server (needs --url)").add_subparsers(dest="action",
+                                                                                                required=True)
+    jb.add_parser("list", help="list jobs")
+    for action in ("get", "cancel", "wait"):
+        q = jb.add_parser(action, help=f"{action} a job")
+        q.add_argument("id")
+        q.add_argument("--quiet", action="store_true", help="wait: no progress bar")
+    for q in jb.choices.values():
+        q.set_defaults(func=None, remote=remote.jobs, quiet=getattr(q, "quiet", False))
+
+    pr = sub.add_parser("profiles", help="unlearning profiles on the server (needs --url)").add_subparsers(
+        dest="action", required=True)
+    q = pr.add_parser("set", help="create a profile, or replace it with a new version")
+    q.add_argument("name")
+    q.add_argument("--backend", choices=["t3", "asu", "base"])
+    q.add_argument("--head")
+    q.add_argument("--weights", help="ASU weights id (backend asu)")
+    q.add_argument("--preset", choices=["default", "paper"])
+    q.add_argument("--T", type=float)
+    q.add_argument("--lam", type=float)
+    q.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None)
+    q.add_argument("--candidates", type=int)
+    q.add_argument("--cap", type=float)
+    q.add_argument("--note")
+    pr.add_parser("list", help="list profiles")
+    for action in ("get", "delete"):
+        pr.add_parser(action, help=f"{action} a profile").add_argument("name")
+    q = pr.add_parser("rollback", help="make an earlier version current")
+    q.add_argument("name")
+    q.add_argument("--version", type=int)
+    for q in pr.choices.values():
+        q.set_defaults(func=None, remote=remote.profiles)
+
+    tn = sub.add_parser("tenants", help="tenants and keys (needs --url and the admin key)").add_subparsers(
+        dest="action", required=True)
+    tn.add_parser("create", help="a tenant and its first key").add_argument("name")
+    tn.add_parser("key", help="a further key for a tenant").add_argument("name")
+    for q in tn.choices.values():
+        q.set_defaults(func=None, remote=remote.tenants)
 
     p = sub.add_parser("eval", help="TOFU-style evaluation of the base model or a head profile")
     _add_model_args(p)
@@ -448,13 +542,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(ValueError):
+    """Bad usage that argparse could not catch: exit code 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    import httpx
+
+    from clients.client import Lethe, LetheError
+    from clients.remote import _print
     from heads.modelio import ModelLoadError
     from heads.records import RecordError
 
     args = build_parser().parse_args(argv)
+    remote_handler = getattr(args, "remote", None)
     try:
+        if args.url and remote_handler is not None:
+            with Lethe(args.url, key=args.key) as client:
+                _print(remote_handler(client, args), args.field)
+            return 0
+        if args.func is None:
+            raise UsageError(f"{args.command}: needs --url (or $LETHE_URL)")
         return args.func(args)
+    except UsageError as e:
+        print(f"lethe: error: {e}", file=sys.stderr)
+        return 2
+    except LetheError as e:
+        print(f"lethe: error: {e}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as e:
+        print(f"lethe: error: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 3
     except (ModelLoadError, RecordError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"lethe: error: {e}", file=sys.stderr)
         return 1

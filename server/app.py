@@ -110,15 +110,18 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
 
     @app.get("/healthz", response_model=Health, tags=["operations"])
     async def healthz() -> Health:
+        """`ok` while the process runs."""
         return Health()
 
     @app.get("/readyz", response_model=Ready, tags=["operations"])
     async def readyz(request: Request) -> Ready:
+        """The model's path and fingerprint, once it is loaded."""
         engine: Engine = request.app.state.engine
         return Ready(model=str(engine.lm.path), fingerprint=engine.lm.fingerprint)
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:
+        """Prometheus metrics."""
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/generate", response_model=GenerateResponse, tags=["generation"])

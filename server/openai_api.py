@@ -88,6 +88,7 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
     body.checks()
     if body.logprobs:
         raise field_error("logprobs", "logprobs are not supported")
@@ -110,6 +111,7 @@ async def completions(body: CompletionRequest, request: Request, tenant_id: str 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    """OpenAI-compatible chat; the tokenizer's chat template, else the Question/Answer format."""
     body.checks()
     if body.logprobs:
         raise field_error("logprobs", "logprobs are not supported")
@@ -138,5 +140,6 @@ async def chat_completions(body: ChatRequest, request: Request, tenant_id: str |
 
 @router.get("/v1/models")
 def models(request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    """`base` and the tenant's profiles, as OpenAI models."""
     names = ["base"] + (request.app.state.store.profile_names(tenant_id) if tenant_id else [])
     return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "lethe"} for n in names]}

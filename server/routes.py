@@ -75,11 +75,13 @@ async def upload_dataset(request: Request, tenant_id: str = Depends(tenant)) -> 
 
 @router.get("/v1/datasets", response_model=list[DatasetOut], tags=["datasets"])
 def list_datasets(request: Request, tenant_id: str = Depends(tenant)):
+    """The tenant's datasets."""
     return [DatasetOut(**{k: d[k] for k in DatasetOut.model_fields}) for d in request.app.state.store.list("datasets", tenant_id)]
 
 
 @router.get("/v1/datasets/{dataset_id}", response_model=DatasetOut, tags=["datasets"])
 def get_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """One dataset: record count, sha256, size."""
     d = request.app.state.store.get("datasets", tenant_id, dataset_id)
     if d is None:
         raise not_found("dataset", dataset_id)
@@ -88,6 +90,7 @@ def get_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tena
 
 @router.delete("/v1/datasets/{dataset_id}", status_code=204, tags=["datasets"])
 def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """Delete a dataset and its file."""
     store = request.app.state.store
     if store.get("datasets", tenant_id, dataset_id) is None:
         raise not_found("dataset", dataset_id)
@@ -142,11 +145,13 @@ def _asu_out(w: dict) -> ASUOut:
 
 @router.get("/v1/asu", response_model=list[ASUOut], tags=["asu"])
 def list_asu(request: Request, tenant_id: str = Depends(tenant)):
+    """The tenant's ASU weights."""
     return [_asu_out(w) for w in request.app.state.store.list("asu_weights", tenant_id)]
 
 
 @router.get("/v1/asu/{weights_id}", response_model=ASUOut, tags=["asu"])
 def get_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """One set of ASU weights: tau, layers, rank, steps, metrics."""
     w = request.app.state.store.get("asu_weights", tenant_id, weights_id)
     if w is None:
         raise not_found("ASU weights", weights_id)
@@ -159,6 +164,7 @@ def _profiles_using(store, tenant_id: str, key: str, value: str) -> list[str]:
 
 @router.delete("/v1/asu/{weights_id}", status_code=204, tags=["asu"])
 def delete_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """Delete ASU weights (409 while a profile uses them)."""
     store = request.app.state.store
     if store.get("asu_weights", tenant_id, weights_id) is None:
         raise not_found("ASU weights", weights_id)
@@ -179,11 +185,13 @@ def _head_out(h: dict) -> HeadOut:
 
 @router.get("/v1/heads", response_model=list[HeadOut], tags=["heads"])
 def list_heads(request: Request, tenant_id: str = Depends(tenant)):
+    """The tenant's heads, with metrics and recommended settings."""
     return [_head_out(h) for h in request.app.state.store.list("heads", tenant_id)]
 
 
 @router.get("/v1/heads/{head_id}", response_model=HeadOut, tags=["heads"])
 def get_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """One head: rank, held-out metrics, recommended settings."""
     h = request.app.state.store.get("heads", tenant_id, head_id)
     if h is None:
         raise not_found("head", head_id)
@@ -192,6 +200,7 @@ def get_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
 
 @router.delete("/v1/heads/{head_id}", status_code=204, tags=["heads"])
 def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """Delete a head (409 while a profile uses it)."""
     store = request.app.state.store
     if store.get("heads", tenant_id, head_id) is None:
         raise not_found("head", head_id)
@@ -206,11 +215,13 @@ def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)
 
 @router.get("/v1/jobs", response_model=list[JobOut], tags=["jobs"])
 def list_jobs(request: Request, tenant_id: str = Depends(tenant)):
+    """The tenant's jobs, oldest first."""
     return [_job_out(j) for j in request.app.state.store.list("jobs", tenant_id)]
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
 def get_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """A job: status, phase, progress 0-1, metrics, and the head or weights it made."""
     job = request.app.state.store.get("jobs", tenant_id, job_id)
     if job is None:
         raise not_found("job", job_id)
@@ -219,6 +230,7 @@ def get_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
 
 @router.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
 def cancel_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
+    """Cancel a queued or running job (409 once it ended)."""
     store = request.app.state.store
     if store.get("jobs", tenant_id, job_id) is None:
         raise not_found("job", job_id)
@@ -272,12 +284,14 @@ def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str =
 
 @router.get("/v1/profiles", response_model=list[ProfileOut], tags=["profiles"])
 def list_profiles(request: Request, tenant_id: str = Depends(tenant)):
+    """The tenant's profiles with their current versions."""
     store = request.app.state.store
     return [_profile_out(store, tenant_id, n).model_copy(update={"history": []}) for n in store.profile_names(tenant_id)]
 
 
 @router.get("/v1/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
 def get_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
+    """A profile: current version, its settings, and the version history."""
     return _profile_out(request.app.state.store, tenant_id, name)
 
 
@@ -299,6 +313,7 @@ def rollback_profile(name: str, request: Request, version: int | None = None, te
 
 @router.delete("/v1/profiles/{name}", status_code=204, tags=["profiles"])
 def delete_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
+    """Delete a profile and all its versions."""
     store = request.app.state.store
     if store.current_profile(tenant_id, name) is None:
         raise not_found("profile", name)
@@ -309,6 +324,7 @@ def delete_profile(name: str, request: Request, tenant_id: str = Depends(tenant)
 @router.post("/admin/tenants", response_model=TenantOut, status_code=201, tags=["admin"],
              dependencies=[Depends(admin)])
 def create_tenant(body: TenantRequest, request: Request) -> TenantOut:
+    """Admin: a tenant and its first API key (shown once, stored hashed)."""
     store = request.app.state.store
     if store.tenant_by_name(body.name):
         raise HTTPException(409, f"tenant {body.name!r} exists")
@@ -319,6 +335,7 @@ def create_tenant(body: TenantRequest, request: Request) -> TenantOut:
 @router.post("/admin/tenants/{name}/keys", response_model=TenantOut, status_code=201, tags=["admin"],
              dependencies=[Depends(admin)])
 def create_key(name: str, request: Request) -> TenantOut:
+    """Admin: a further API key for a tenant."""
     store = request.app.state.store
     tenant_id = store.tenant_by_name(name)
     if tenant_id is None:

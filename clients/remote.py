@@ -1,0 +1,141 @@
+"""`lethe --url URL --key KEY ...`: the command line's server operations, through the Python client.
+
+Each handler prints JSON (one object, or one per line for lists), so scripts can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from clients.client import Lethe
+
+
+def _print(value, field: str | None = None) -> None:
+    """JSON, one object per line; with `field`, that field's value alone (for shell scripts)."""
+    if isinstance(value, list):
+        for item in value:
+            _print(item, field)
+        return
+    if value is None:
+        return
+    data = value.model_dump() if hasattr(value, "model_dump") else value
+    if field is None:
+        print(json.dumps(data))
+        return
+    if field not in data:
+        raise ValueError(f"--field: the answer has no field {field!r} (it has {', '.join(data)})")
+    print(data[field] if isinstance(data[field], str) else json.dumps(data[field]))
+
+
+def _dataset_id(client: Lethe, value: str) -> str:
+    """A dataset id as it is, or a local JSON Lines file uploaded first."""
+    path = Path(value)
+    if path.is_file():
+        return client.upload_dataset(path).id
+    return value
+
+
+def _progress_bar(enabled: bool):
+    if not enabled:
+        return None, lambda: None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=100, desc="job", unit="%")
+
+    def update(job) -> None:
+        bar.set_description(f"{job.status} {job.phase or ''}".strip())
+        bar.n = round(100 * job.progress)
+        bar.refresh()
+
+    return update, bar.close
+
+
+def _run_job(client: Lethe, job, wait: bool, quiet: bool):
+    if not wait:
+        return job
+    update, close = _progress_bar(not quiet)
+    try:
+        return client.wait(job, on_progress=update)
+    finally:
+        close()
+
+
+def datasets(client: Lethe, args):
+    if args.action == "upload":
+        return client.upload_dataset(args.file, name=args.name)
+    if args.action == "list":
+        return client.list_datasets()
+    return client.get_dataset(args.id) if args.action == "get" else client.delete_dataset(args.id)
+
+
+def heads_train(client: Lethe, args):
+    options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "seed")}
+    options["max_epochs"] = args.epochs
+    job = client.train_head(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)), **options)
+    return _run_job(client, job, args.wait, args.quiet)
+
+
+def asu_train(client: Lethe, args):
+    options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "retain_loss", "retain_weight", "lr",
+                                              "steps", "seed")}
+    job = client.train_asu(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
+                           **{k: v for k, v in options.items() if v is not None})
+    return _run_job(client, job, args.wait, args.quiet)
+
+
+def resources(kind: str):
+    get, listing, delete = {"heads": ("get_head", "list_heads", "delete_head"),
+                            "asu": ("get_asu", "list_asu", "delete_asu")}[kind]
+
+    def handler(client: Lethe, args):
+        if args.action == "list":
+            return getattr(client, listing)()
+        return getattr(client, get if args.action == "get" else delete)(args.id)
+
+    return handler
+
+
+def jobs(client: Lethe, args):
+    if args.action == "list":
+        return client.list_jobs()
+    if args.action == "get":
+        return client.get_job(args.id)
+    if args.action == "cancel":
+        return client.cancel_job(args.id)
+    return _run_job(client, args.id, True, args.quiet)
+
+
+def profiles(client: Lethe, args):
+    if args.action == "set":
+        return client.set_profile(args.name, backend=args.backend, head=args.head, weights=args.weights,
+                                  preset=args.preset, T=args.T, lam=args.lam, gate=args.gate,
+                                  candidates=args.candidates, cap=args.cap, note=args.note)
+    if args.action == "list":
+        return client.list_profiles()
+    if args.action == "get":
+        return client.get_profile(args.name)
+    if args.action == "rollback":
+        return client.rollback_profile(args.name, args.version)
+    return client.delete_profile(args.name)
+
+
+def generate(client: Lethe, args):
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+    if args.prompt is None:
+        raise ValueError("give a PROMPT")
+    if args.stream:
+        for piece in client.stream_generate(args.prompt, args.profile, **sampling):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print()
+        return None
+    out = client.generate(args.prompt, args.profile, **sampling)
+    print(out.text)
+    return None
+
+
+def tenants(client: Lethe, args):
+    return client.create_tenant(args.name) if args.action == "create" else client.create_key(args.name)

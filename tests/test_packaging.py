@@ -1,0 +1,54 @@
+"""Packaging: the container files and the wheel."""
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_dockerfile_runs_as_non_root_with_a_data_volume_a_healthcheck_and_the_demo_model():
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0"), "the last USER is not root"
+    assert re.search(r"^VOLUME\s+\[\"/data\"\]", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n?.*CMD .*healthz", text, re.M)
+    assert "LETHE_DATA_DIR=/data" in text and "COPY heads ./heads" in text  # heads/ carries the demo model
+    assert "torch==2.13.0" in text and "download.pytorch.org/whl/cpu" in text
+
+
+def test_compose_runs_the_server_with_a_named_volume_on_data():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    service = compose["services"]["lethe"]
+    assert service["build"]["dockerfile"] == "docker/Dockerfile"
+    volume, target = service["volumes"][0].split(":")
+    assert target == "/data" and volume in compose["volumes"]
+    assert "8000:8000" in service["ports"]
+
+
+@pytest.mark.skipif(not os.environ.get("CI") and not os.environ.get("LETHE_TEST_WHEEL"),
+                    reason="builds a wheel (about 30 s): runs in CI, or with LETHE_TEST_WHEEL=1")
+def test_wheel_installs_in_a_fresh_venv_and_its_commands_run(tmp_path):
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(ROOT)],
+                   check=True, capture_output=True, timeout=600)
+    wheel = next((tmp_path / "dist").glob("lethe-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "heads/demo/assets/model/model.safetensors" in names and "server/app.py" in names
+    venv.create(tmp_path / "venv", with_pip=True)
+    py = tmp_path / "venv" / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300)
+    # the dependencies come from this environment; the package itself only from the wheel
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"])
+    lethe = tmp_path / "venv" / "bin" / "lethe"
+    for args in (["--help"], ["demo", "build", "--help"]):
+        done = subprocess.run([str(lethe), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "usage: lethe" in done.stdout
