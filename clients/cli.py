@@ -194,11 +194,13 @@ def cmd_eval(args) -> int:
     from heads.modelio import load_model
     from heads.records import read_jsonl
 
+    if args.out is None:
+        raise UsageError("eval: --out is required offline")
     lm = load_model(args.model, args.device, args.dtype)
     head, settings = _profile(args, lm)
     lm = _with_asu(args, lm)
     reference = load_model(args.reference_model, args.device, args.dtype) if args.reference_model else None
-    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    forget, retain = read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
     if args.retain_limit:
         retain = retain[:: max(1, len(retain) // args.retain_limit)][: args.retain_limit]
     name = args.name or "+".join(filter(None, ["asu" if args.asu else None,
@@ -497,16 +499,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="TOFU-style evaluation of the base model or a head profile")
     _add_model_args(p)
     _add_profile_args(p)
-    p.add_argument("--forget", type=Path, required=True)
-    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--forget", required=True, help="TOFU JSON Lines (or, with --url, a dataset id)")
+    p.add_argument("--retain", required=True, help="TOFU JSON Lines (or, with --url, a dataset id)")
+    p.add_argument("--profile", help="with --url: the profile to evaluate (default: base)")
+    p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
+    p.add_argument("--quiet", action="store_true", help="with --url: no progress bar")
     p.add_argument("--reference-model", type=Path, help="a model never trained on the forget set (forget quality)")
     p.add_argument("--retain-limit", type=int, default=0, help="evaluate an even spread of this many retain records")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="sampling seeds (temperature 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--name", help="profile name in the report")
-    p.add_argument("--out", type=Path, required=True, help="JSON report")
+    p.add_argument("--out", type=Path, help="JSON report (offline; required there)")
     p.add_argument("--plot", type=Path, help="PNG plot")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, remote=remote.evaluate)
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios measured side by side"
                            ).add_subparsers(dest="bench", required=True)

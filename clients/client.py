@@ -130,6 +130,11 @@ class _Calls:
     def cancel_job(self, job_id: str) -> JobOut:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel", JobOut)
 
+    def evaluate(self, forget: str, retain: str, profile: str | dict = "base", **options) -> JobOut:
+        """Start an evaluation job (options: seeds, max_new_tokens); `wait` for it, then read its metrics."""
+        return self._call("POST", "/v1/eval", JobOut, json={"forget": forget, "retain": retain, "profile": profile,
+                                                             **options})
+
     # profiles
     def set_profile(self, name: str, **spec) -> ProfileOut:
         """Create or replace (a new version): backend, head, weights, preset, T, lam, gate, candidates, cap, note."""

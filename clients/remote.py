@@ -139,3 +139,9 @@ def generate(client: Lethe, args):
 
 def tenants(client: Lethe, args):
     return client.create_tenant(args.name) if args.action == "create" else client.create_key(args.name)
+
+
+def evaluate(client: Lethe, args):
+    job = client.evaluate(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
+                          args.profile or "base", seeds=args.seeds, max_new_tokens=args.max_new_tokens)
+    return _run_job(client, job, args.wait, args.quiet)

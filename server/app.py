@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics)
         app.state.heads = HeadCache(store, model, settings.head_cache_size)
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
-        app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics)
+        app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads)
         try:
             yield
         finally:

@@ -30,8 +30,8 @@ class Cancelled(Exception):
 
 
 class JobRunner:
-    def __init__(self, store: Store, engine, metrics=None):
-        self.store, self.engine, self.metrics = store, engine, metrics
+    def __init__(self, store: Store, engine, metrics=None, heads=None):
+        self.store, self.engine, self.metrics, self.heads = store, engine, metrics, heads
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
         self._recover()
@@ -87,7 +87,7 @@ class JobRunner:
             self._update(job_id, status="running", started=started, phase="caching", progress=0.0)
             status = "failed"
             try:
-                (self._train_asu if job["kind"] == "asu" else self._train)(job, cancel)
+                {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)
                 status = "succeeded"
             except Cancelled:
                 status = "cancelled"
@@ -120,6 +120,49 @@ class JobRunner:
         return (params, read_jsonl(self.store.dataset_path(params["forget"])),
                 read_jsonl(self.store.dataset_path(params["retain"])))
 
+    def _with_base(self, work):
+        """Run `work(model)` on the base model: the shared one (holding the model lock, so no adapter is
+        attached meanwhile) while no adapter is attached, else a copy."""
+        while True:
+            base = self.engine.base_model()
+            shared = base is self.engine.lm.model
+            with self.engine.model_lock if shared else nullcontext():
+                if shared and base is not self.engine.lm.model:
+                    continue  # an adapter was attached just now: take a copy instead
+                return work(base)
+
+    def _evaluate(self, job: dict, cancel: threading.Event) -> None:
+        import copy
+        from dataclasses import replace
+
+        from heads.asu import attach, load_asu
+        from heads.evaluate import EvalConfig, Profile, evaluate
+        from heads.guide import TiltSettings
+
+        job_id, tenant_id = job["id"], job["tenant_id"]
+        params, forget, retain = self._inputs(job)
+        spec = params["spec"]
+        head = settings = None
+        if spec.get("head"):
+            head, _ = self.heads.get(tenant_id, spec["head"])
+            settings = TiltSettings.from_dict({k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap")})
+        self._update(job_id, phase="evaluating", progress=0.05)
+
+        def run(base):
+            model = base
+            if spec.get("backend") == "asu":  # the adapter goes onto a copy, never onto the serving model
+                tensors, info = load_asu(self.store.asu_path(spec["weights"]), self.engine.lm.fingerprint)
+                model = attach(copy.deepcopy(base), "asu_eval", tensors, info)
+            lm = replace(self.engine.lm, model=model)
+            cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64))
+            return evaluate(lm, forget, retain, Profile(params.get("profile") or "inline", head, settings), cfg=cfg)
+
+        report = self._with_base(run)
+        if cancel.is_set():
+            raise Cancelled()
+        report.pop("forget_truth_ratios", None)
+        self._finish(job_id, "succeeded", phase="done", progress=1.0, metrics=json.dumps(report))
+
     def _train(self, job: dict, cancel: threading.Event) -> None:
         from dataclasses import replace
 
@@ -129,17 +172,14 @@ class JobRunner:
                                                     "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
                                                    "common_df", "seed") if k in params})
-        while True:
-            base = self.engine.base_model()  # the shared base, or a copy once adapters are attached
-            shared = base is self.engine.lm.model
-            with self.engine.model_lock if shared else nullcontext():  # no adapter is attached meanwhile
-                if shared and base is not self.engine.lm.model:
-                    continue  # an adapter was attached just now: take a copy instead
-                lm = replace(self.engine.lm, model=base)
-                head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
-                progress("evaluating", 0.0)
-                info.metrics |= quick_check(lm, head, forget, retain)
-                break
+        def work(base):
+            lm = replace(self.engine.lm, model=base)
+            head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
+            progress("evaluating", 0.0)
+            info.metrics |= quick_check(lm, head, forget, retain)
+            return head, info
+
+        head, info = self._with_base(work)
         if cancel.is_set():
             raise Cancelled()
         self._update(job_id, phase="saving", progress=0.95)

@@ -117,6 +117,14 @@ class ASUJobRequest(Strict):
     seed: int = Field(0, ge=0)
 
 
+class EvalJobRequest(Strict):
+    forget: str = Field(description="Dataset id of the forget set (TOFU fields).")
+    retain: str = Field(description="Dataset id of the retain set (TOFU fields).")
+    profile: str | ProfileSpec = Field("base", description="A profile name, `base`, or an inline profile.")
+    seeds: list[int] = Field(default_factory=list, max_length=10, description="Sampling seeds (temperature 1).")
+    max_new_tokens: int = Field(64, ge=1, le=512)
+
+
 class ASUOut(BaseModel):
     id: str
     job: str | None

@@ -16,8 +16,8 @@ from server.auth import admin, tenant
 from server.generation import field_error
 from server.jobs import TERMINAL
 from server.profiles import ProfileError, complete_spec
-from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, HeadJobRequest, HeadOut, JobOut, ProfileOut,
-                             ProfileSpec, TenantOut, TenantRequest)
+from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, HeadJobRequest, HeadOut, JobOut,
+                             ProfileOut, ProfileSpec, TenantOut, TenantRequest)
 from server.storage import new_id
 
 router = APIRouter()
@@ -134,6 +134,35 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
     except ValueError as e:
         raise field_error("layers", str(e)) from None
     job_id = request.app.state.jobs.submit(tenant_id, "asu", body.model_dump())
+    return _job_out(store.get("jobs", tenant_id, job_id))
+
+
+@router.post("/v1/eval", response_model=JobOut, status_code=202, tags=["eval"])
+def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
+    """Start a job that evaluates a profile on two datasets (TOFU metrics); the report is the job's metrics."""
+    from heads.records import read_jsonl
+
+    store = request.app.state.store
+    _check_datasets(store, tenant_id, body)
+    for field in ("forget", "retain"):
+        if not all("question" in r and "answer" in r for r in read_jsonl(store.dataset_path(getattr(body, field)))):
+            raise field_error(field, "evaluation needs TOFU records (question, answer, paraphrased_answer, "
+                                     "perturbed_answer)")
+    profile = body.profile.spec() if isinstance(body.profile, ProfileSpec) else body.profile
+    try:
+        if isinstance(profile, str) and profile != "base":
+            current = store.current_profile(tenant_id, profile)
+            if current is None:
+                raise ProfileError(404, "profile", f"profile {profile!r} not found")
+            spec = current[1]
+        else:
+            spec = {"backend": "base"} if profile == "base" else complete_spec(
+                request.app.state.heads, tenant_id, profile, request.app.state.adapters)
+    except ProfileError as e:
+        raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
+    params = body.model_dump(exclude={"profile"}) | {"spec": spec,
+                                                     "profile": profile if isinstance(profile, str) else None}
+    job_id = request.app.state.jobs.submit(tenant_id, "eval", params)
     return _job_out(store.get("jobs", tenant_id, job_id))
 
 

@@ -55,6 +55,15 @@ def test_every_endpoint_through_the_sync_client(server, sets):
         assert "".join(c.stream_generate(prompt, temperature=0, max_new_tokens=40)) == \
             c.generate(prompt, temperature=0, max_new_tokens=40).text
         assert {m["id"] for m in c.models()["data"]} == {"base", "forget"}
+        c.rollback_profile("forget", version=1)
+        base_report = c.wait(c.evaluate(f.id, r.id)).metrics
+        tilted = c.wait(c.evaluate(f.id, r.id, "forget", seeds=[0])).metrics
+        assert tilted["profile"] == "forget" and tilted["forget"]["rouge_sampled"] is not None
+        assert tilted["forget"]["rouge"] < 0.6 * base_report["forget"]["rouge"]
+        assert tilted["retain"]["rouge"] >= 0.9 * base_report["retain"]["rouge"]  # a rank-8 head on the tiny model
+        with pytest.raises(LetheError) as e:
+            c.evaluate(f.id, r.id, "no-such-profile")
+        assert e.value.status == 404
         asu = c.wait(c.train_asu(f.id, r.id, steps=10, layers="0"))
         assert c.get_asu(asu.weights).layers == [0] and len(c.list_asu()) == 1
         c.delete_profile("forget")
@@ -76,6 +85,10 @@ def test_errors_carry_the_status_and_the_servers_message(server):
         with pytest.raises(LetheError) as e:
             c.generate("Question: x\nAnswer:", top_p=2)
         assert e.value.status == 422 and "top_p" in e.value.message
+        d = c.upload_dataset(b'{"prompt": "p", "completion": "c"}\n')
+        with pytest.raises(LetheError) as e:
+            c.evaluate(d.id, d.id)
+        assert e.value.status == 422 and "TOFU" in e.value.message
         with pytest.raises(LetheError) as e:
             c.cancel_job("job_missing")
         assert e.value.status == 404
