@@ -99,6 +99,16 @@ class _Calls:
         """Start a head job (options: rank, lr, weight_decay, max_epochs, balance, common_df, seed)."""
         return self._call("POST", "/v1/heads", JobOut, json={"forget": forget, "retain": retain, **options})
 
+    def upload_head(self, source: str | Path | bytes) -> HeadOut:
+        """Upload a head file made offline."""
+        data, filename = _data(source)
+        return self._call("POST", "/v1/heads/upload", HeadOut, files={"file": (filename or "head.safetensors", data)})
+
+    def upload_asu(self, source: str | Path | bytes) -> ASUOut:
+        """Upload ASU weights made offline."""
+        data, filename = _data(source)
+        return self._call("POST", "/v1/asu/upload", ASUOut, files={"file": (filename or "asu.safetensors", data)})
+
     def list_heads(self) -> list[HeadOut]:
         return self._call("GET", "/v1/heads", list[HeadOut])
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Match
@@ -44,6 +47,17 @@ class JSONByDefault:
             if not ctype or ctype.startswith(b"application/x-www-form-urlencoded") or ctype.startswith(b"text/plain"):
                 scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
         await self.app(scope, receive, send)
+
+
+def _json_safe(value):
+    """Non-finite floats (from a body that held NaN or Infinity) as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
 
 
 def route_path(request: Request) -> str:
@@ -103,6 +117,12 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         log.info(json.dumps({"method": request.method, "path": path, "status": response.status_code,
                              "ms": round(1000 * (time.perf_counter() - started), 1)}))
         return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        """FastAPI's 422, with inputs made JSON-safe (a NaN or Infinity in the body must not become a 500)."""
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors(), custom_encoder={
+            Exception: str}))}, status_code=422)
 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):

@@ -206,6 +206,49 @@ def delete_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenan
     return Response(status_code=204)
 
 
+@router.post("/v1/heads/upload", response_model=HeadOut, status_code=201, tags=["heads"])
+async def upload_head(request: Request, tenant_id: str = Depends(tenant)) -> HeadOut:
+    """Upload a head file made offline (`lethe heads train`); checked against this server's model."""
+    from heads.head import BaseMismatch, HeadFileError, load_head
+
+    store, lm = request.app.state.store, request.app.state.engine.lm
+    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    head_id = new_id("head")
+    path = store.head_path(head_id)
+    atomic_write_bytes(path, data)
+    try:
+        _, info = load_head(path, lm.fingerprint, lm.model.config.vocab_size, lm.model.config.hidden_size)
+    except (HeadFileError, BaseMismatch) as e:
+        path.unlink(missing_ok=True)
+        raise field_error("file", str(e).replace(str(path), "upload"), 409 if isinstance(e, BaseMismatch) else 422)
+    store.tx([("INSERT INTO heads VALUES (?, ?, ?, ?, ?, ?)",
+               (head_id, tenant_id, None, len(data), json.dumps(info.__dict__), time.time()))])
+    return _head_out(store.get("heads", tenant_id, head_id))
+
+
+@router.post("/v1/asu/upload", response_model=ASUOut, status_code=201, tags=["asu"])
+async def upload_asu(request: Request, tenant_id: str = Depends(tenant)) -> ASUOut:
+    """Upload ASU weights made offline (`lethe asu train`); checked against this server's model."""
+    from dataclasses import asdict
+
+    from heads.asu import load_asu
+    from heads.head import BaseMismatch, HeadFileError
+
+    store, lm = request.app.state.store, request.app.state.engine.lm
+    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    weights_id = new_id("asu")
+    path = store.asu_path(weights_id)
+    atomic_write_bytes(path, data)
+    try:
+        _, info = load_asu(path, lm.fingerprint)
+    except (HeadFileError, BaseMismatch) as e:
+        path.unlink(missing_ok=True)
+        raise field_error("file", str(e).replace(str(path), "upload"), 409 if isinstance(e, BaseMismatch) else 422)
+    store.tx([("INSERT INTO asu_weights VALUES (?, ?, ?, ?, ?, ?)",
+               (weights_id, tenant_id, None, len(data), json.dumps(asdict(info)), time.time()))])
+    return _asu_out(store.get("asu_weights", tenant_id, weights_id))
+
+
 def _head_out(h: dict) -> HeadOut:
     info = json.loads(h["info"])
     return HeadOut(id=h["id"], job=h["job_id"], bytes=h["bytes"], created=h["created"], rank=info["rank"],
