@@ -173,6 +173,8 @@ def test_isolation_matrix_every_route_with_an_id_answers_404_for_another_tenant(
     for listing in ("/v1/datasets", "/v1/heads", "/v1/jobs", "/v1/profiles", "/v1/asu"):
         assert app_client.get(listing, headers=bob).json() == []
     assert app_client.post("/admin/tenants", json={"name": "x"}, headers=bob).status_code == 403
+    r = app_client.post("/generate", json={"prompt": question_prompt("x"), "profile": "up"}, headers=bob)
+    assert r.status_code == 404
     before = app_client.get("/v1/profiles/up", headers=alice).json()
     assert app_client.put("/v1/profiles/up", json={"backend": "base"}, headers=bob).json()["version"] == 1
     assert app_client.get("/v1/profiles/up", headers=alice).json() == before, "bob's `up` is his own"
@@ -181,5 +183,3 @@ def test_isolation_matrix_every_route_with_an_id_answers_404_for_another_tenant(
     raw = b"".join(f.read_bytes() for f in store.dir.glob("lethe.db*"))  # the database and its WAL
     hashes = [r["hash"] for r in store.q("SELECT hash FROM api_keys")]
     assert key.encode() not in raw and hash_key(key) in hashes, "keys are stored hashed"
-    r = app_client.post("/generate", json={"prompt": question_prompt("x"), "profile": "up"}, headers=bob)
-    assert r.status_code == 404
