@@ -6,9 +6,17 @@ A crash leaves either the old file or the new one, never half of one.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for the crash-consistency tests: with LETHE_CRASH_AT=<name> in the environment, the
+    process kills itself (SIGKILL, as `kill -9`) when it reaches this point. Unset, it does nothing."""
+    if os.environ.get("LETHE_CRASH_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -22,6 +30,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp_path)
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        crash_point(f"before-rename:{path.parent.name}")
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)

@@ -69,11 +69,18 @@ def route_path(request: Request) -> str:
 
 
 def clean_temporary_files(store: Store) -> int:
-    """Remove half-written files a crash left behind (atomic writes use `.<name>.*.tmp`)."""
+    """Remove what a crash left behind: half-written files (atomic writes use `.<name>.*.tmp`), and
+    complete files no row points at (written, then the process died before the row was inserted)."""
     removed = 0
     for tmp in store.dir.rglob(".*.tmp"):
         tmp.unlink(missing_ok=True)
         removed += 1
+    for folder, table in (("datasets", "datasets"), ("heads", "heads"), ("asu", "asu_weights")):
+        known = {r["id"] for r in store.q(f"SELECT id FROM {table}")}
+        for f in (store.dir / folder).iterdir():
+            if f.is_file() and f.name.split(".")[0] not in known:
+                f.unlink()
+                removed += 1
     return removed
 
 
@@ -86,7 +93,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         store = Store(settings.data_dir)
         removed = clean_temporary_files(store)
         if removed:
-            log.warning("removed %d temporary files left by an interrupted write", removed)
+            log.warning("removed %d files left by an interrupted write", removed)
         if settings.demo_tenant and not store.q("SELECT id FROM tenants LIMIT 1"):
             _, key = store.create_tenant("demo")
             print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)

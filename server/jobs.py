@@ -16,6 +16,7 @@ import threading
 import time
 
 from heads.head import save_head
+from heads.io import crash_point
 from heads.records import read_jsonl
 from heads.t3 import quick_check, train_head
 from heads.train import FitConfig
@@ -105,6 +106,7 @@ class JobRunner:
         last = [0.0]
 
         def progress(phase: str, fraction: float) -> None:
+            crash_point(f"job:{phase}")
             if cancel.is_set():
                 raise Cancelled()
             lo, hi = spans[phase]
