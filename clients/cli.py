@@ -320,6 +320,46 @@ def cmd_openapi(args) -> int:
     return 0
 
 
+def cmd_bench_soak(args) -> int:
+    from server.soak import soak
+
+    def run(url: str) -> dict:
+        return soak(url, args.key, clients=args.clients, duration=args.duration, max_new_tokens=args.max_new_tokens)
+
+    if args.url:
+        result = run(args.url)
+    else:  # a server of our own, on loopback, with the given queue bound
+        import tempfile
+        import threading
+        import time
+
+        import httpx
+        import uvicorn
+
+        from heads.modelio import load_model
+        from server.app import create_app
+        from server.settings import Settings
+
+        with tempfile.TemporaryDirectory() as data:
+            settings = Settings(model=args.model, data_dir=Path(data), max_queue=args.max_queue, port=args.port)
+            server = uvicorn.Server(uvicorn.Config(create_app(settings, load_model(args.model)), host="127.0.0.1",
+                                                   port=args.port, log_level="warning"))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            url = f"http://127.0.0.1:{args.port}"
+            while True:
+                try:
+                    httpx.get(url + "/healthz")
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            result = run(url)
+            server.should_exit = True
+            thread.join(timeout=30)
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     import os
 
@@ -544,6 +584,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float, nargs="+", default=[4.0, 16.0])
     p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_asu)
+
+    p = bench.add_parser("soak", help="a fixed-duration load run: served, errors by class, p50/p99, peak RSS",
+                         description="Against --url, or (without it) a server of its own on --model.")
+    _add_model_args(p)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-queue", type=int, default=8, help="own server: waiting requests before 429 (default 8)")
+    p.add_argument("--port", type=int, default=8765, help="own server: port (default 8765)")
+    p.set_defaults(func=cmd_bench_soak)
     return parser
 
 

@@ -60,20 +60,23 @@ def stream(request: Request, prompt: str, params: SamplingParams, resolved: Reso
     done = asyncio.wrap_future(pending.future)
 
     async def events() -> AsyncIterator[str]:
+        getter: asyncio.Future | None = None
         try:
             while True:
-                getter = asyncio.ensure_future(texts.get())
+                getter = getter or asyncio.ensure_future(texts.get())
                 finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
                 if getter in finished:
-                    yield f"data: {json.dumps(chunk(getter.result()))}\n\n"
+                    text, getter = getter.result(), None
+                    yield f"data: {json.dumps(chunk(text))}\n\n"
                     continue
-                getter.cancel()
                 while not texts.empty():
                     yield f"data: {json.dumps(chunk(texts.get_nowait()))}\n\n"
                 yield f"data: {json.dumps(final(done.result()))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
         finally:
+            if getter is not None:
+                getter.cancel()
             pending.cancelled.set()  # no-op once finished; frees the row if the client left
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

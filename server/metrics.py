@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
         self.requests = Counter("lethe_requests", "HTTP requests", ["path", "status"], registry=r)
         self.tokens = Counter("lethe_generated_tokens", "Tokens generated", registry=r)
         self.queue_depth = Gauge("lethe_queue_depth", "Requests waiting for the engine", registry=r)
