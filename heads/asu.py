@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from heads.attention import parse_layers, tempered, use_tempered_attention
-from heads.head import BaseMismatch, HeadFileError
+from heads.head import BaseMismatch, HeadFileError, read_lethe_file
 from heads.io import atomic_write
 from heads.records import Example, encode_example, examples
 
@@ -203,24 +202,13 @@ def save_asu(path: Path, tensors: dict[str, torch.Tensor], info: ASUInfo) -> Non
 
 
 def load_asu(path: Path, base_fingerprint: str | None = None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
-    path = Path(path)
-    if not path.is_file():
-        raise HeadFileError(f"{path}: no such ASU weights file")
+    tensors, raw = read_lethe_file(path, "ASU weights")
     try:
-        with safe_open(str(path), "pt") as f:
-            raw = (f.metadata() or {}).get("lethe")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
-        raise HeadFileError(f"{path}: not a safetensors file ({e})") from None
-    try:
-        info = ASUInfo(**json.loads(raw or "null"))
+        info = ASUInfo(**json.loads(raw))
     except (TypeError, json.JSONDecodeError):
         raise HeadFileError(f"{path}: no readable Lethe ASU metadata") from None
     if info.format != FORMAT:
         raise HeadFileError(f"{path}: format {info.format!r} is not {FORMAT}")
-    for name, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise HeadFileError(f"{path}: {name} holds NaN or Inf values")
     if base_fingerprint is not None and info.base_fingerprint != base_fingerprint:
         raise BaseMismatch(f"{path}: adapters were trained on base model {info.base_fingerprint}, "
                            f"this model is {base_fingerprint}")

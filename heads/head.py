@@ -118,12 +118,11 @@ def save_head(path: Path, head: T3Head, info: HeadInfo) -> None:
     atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
-def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None = None,
-              d: int | None = None) -> tuple[T3Head, HeadInfo]:
-    """Read and check a head file; `base_fingerprint`, `vocab`, `d` are what the serving model has."""
+def read_lethe_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor], str]:
+    """(tensors, Lethe metadata JSON) of a safetensors file; HeadFileError says what is wrong with it."""
     path = Path(path)
     if not path.is_file():
-        raise HeadFileError(f"{path}: no such head file")
+        raise HeadFileError(f"{path}: no such {what} file")
     try:
         with safe_open(str(path), "pt") as f:
             raw = (f.metadata() or {}).get("lethe")
@@ -131,7 +130,17 @@ def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None
     except Exception as e:
         raise HeadFileError(f"{path}: not a safetensors file ({e})") from None
     if raw is None:
-        raise HeadFileError(f"{path}: no Lethe metadata; not a Lethe head file")
+        raise HeadFileError(f"{path}: no Lethe metadata; not a Lethe {what} file")
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise HeadFileError(f"{path}: {name} holds NaN or Inf values")
+    return tensors, raw
+
+
+def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None = None,
+              d: int | None = None) -> tuple[T3Head, HeadInfo]:
+    """Read and check a head file; `base_fingerprint`, `vocab`, `d` are what the serving model has."""
+    tensors, raw = read_lethe_file(path, "head")
     try:
         info = HeadInfo(**json.loads(raw))
     except (TypeError, json.JSONDecodeError) as e:
@@ -151,9 +160,6 @@ def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None
             raise HeadFileError(f"{path}: tensor {name} is missing")
         if tuple(tensors[name].shape) != shape:
             raise HeadFileError(f"{path}: {name} has shape {tuple(tensors[name].shape)}, metadata says {shape}")
-    for name, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise HeadFileError(f"{path}: {name} holds NaN or Inf values")
     if base_fingerprint is not None and info.base_fingerprint != base_fingerprint:
         raise BaseMismatch(f"{path}: head was trained on base model {info.base_fingerprint}, "
                            f"this model is {base_fingerprint}")

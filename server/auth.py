@@ -15,28 +15,26 @@ def bearer(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-def optional_tenant(request: Request) -> str | None:
-    """The caller's tenant id, or None for an anonymous call; a wrong key is 401."""
+def _caller(request: Request, anonymous_ok: bool) -> str | None:
     key = bearer(request)
     if key is None:
-        if request.app.state.settings.allow_anonymous:
+        if anonymous_ok:
             return None
-        raise HTTPException(401, "an API key is required (Authorization: Bearer <key>)")
-    tenant = request.app.state.store.tenant_for_key(key)
-    if tenant is None:
-        raise HTTPException(401, "unknown API key")
-    return tenant
-
-
-def tenant(request: Request) -> str:
-    """The caller's tenant id; tenant endpoints need a key."""
-    key = bearer(request)
-    if key is None:
         raise HTTPException(401, "an API key is required (Authorization: Bearer <key>)")
     found = request.app.state.store.tenant_for_key(key)
     if found is None:
         raise HTTPException(401, "unknown API key")
     return found
+
+
+def optional_tenant(request: Request) -> str | None:
+    """The caller's tenant id, or None for an anonymous call (when allowed); a wrong key is 401."""
+    return _caller(request, request.app.state.settings.allow_anonymous)
+
+
+def tenant(request: Request) -> str:
+    """The caller's tenant id; tenant endpoints need a key."""
+    return _caller(request, anonymous_ok=False)
 
 
 def admin(request: Request) -> None:

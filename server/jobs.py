@@ -133,6 +133,17 @@ class JobRunner:
                     continue  # an adapter was attached just now: take a copy instead
                 return work(base)
 
+    def _save_result(self, job_id: str, tenant_id: str, table: str, item_id: str, write, info: dict,
+                     metrics: dict) -> None:
+        """Write the job's file (atomically), then, in one transaction, its row and the job's success."""
+        self._update(job_id, phase="saving", progress=0.95)
+        path = self.store.head_path(item_id) if table == "heads" else self.store.asu_path(item_id)
+        write(path)
+        self.store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
+                        (item_id, tenant_id, job_id, path.stat().st_size, json.dumps(info), time.time())),
+                       ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
+                        "finished = ? WHERE id = ?", (json.dumps(metrics), item_id, time.time(), job_id))])
+
     def _evaluate(self, job: dict, cancel: threading.Event) -> None:
         import copy
         from dataclasses import replace
@@ -184,14 +195,8 @@ class JobRunner:
         head, info = self._with_base(work)
         if cancel.is_set():
             raise Cancelled()
-        self._update(job_id, phase="saving", progress=0.95)
-        head_id = new_id("head")
-        path = self.store.head_path(head_id)
-        save_head(path, head, info)
-        self.store.tx([("INSERT INTO heads VALUES (?, ?, ?, ?, ?, ?)",
-                        (head_id, tenant_id, job_id, path.stat().st_size, json.dumps(info.__dict__), time.time())),
-                       ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
-                        "finished = ? WHERE id = ?", (json.dumps(info.metrics), head_id, time.time(), job_id))])
+        self._save_result(job_id, tenant_id, "heads", new_id("head"), lambda path: save_head(path, head, info),
+                          info.__dict__, info.metrics)
 
     def _train_asu(self, job: dict, cancel: threading.Event) -> None:
         from dataclasses import replace
@@ -216,14 +221,7 @@ class JobRunner:
         del lm, base
         if cancel.is_set():
             raise Cancelled()
-        self._update(job_id, phase="saving", progress=0.95)
-        weights_id = new_id("asu")
-        path = self.store.asu_path(weights_id)
-        save_asu(path, tensors, info)
         from dataclasses import asdict
 
-        self.store.tx([("INSERT INTO asu_weights VALUES (?, ?, ?, ?, ?, ?)",
-                        (weights_id, tenant_id, job_id, path.stat().st_size, json.dumps(asdict(info)), time.time())),
-                       ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
-                        "finished = ? WHERE id = ?", (json.dumps({k: v for k, v in info.metrics.items()}), weights_id,
-                                                      time.time(), job_id))])
+        self._save_result(job_id, tenant_id, "asu_weights", new_id("asu"),
+                          lambda path: save_asu(path, tensors, info), asdict(info), info.metrics)

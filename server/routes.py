@@ -27,6 +27,14 @@ def not_found(kind: str, item_id: str) -> HTTPException:
     return HTTPException(404, f"{kind} {item_id!r} not found")
 
 
+def owned(request: Request, table: str, tenant_id: str, item_id: str, kind: str) -> dict:
+    """The tenant's row, or 404: another tenant's id takes the same path as a missing one."""
+    row = request.app.state.store.get(table, tenant_id, item_id)
+    if row is None:
+        raise not_found(kind, item_id)
+    return row
+
+
 async def _read_upload(request: Request, limit: int) -> tuple[bytes, str | None]:
     """The records file from a multipart upload (field `file`) or the raw body; 413 beyond `limit` bytes."""
     length = request.headers.get("content-length")
@@ -82,9 +90,7 @@ def list_datasets(request: Request, tenant_id: str = Depends(tenant)):
 @router.get("/v1/datasets/{dataset_id}", response_model=DatasetOut, tags=["datasets"])
 def get_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """One dataset: record count, sha256, size."""
-    d = request.app.state.store.get("datasets", tenant_id, dataset_id)
-    if d is None:
-        raise not_found("dataset", dataset_id)
+    d = owned(request, "datasets", tenant_id, dataset_id, "dataset")
     return DatasetOut(**{k: d[k] for k in DatasetOut.model_fields})
 
 
@@ -92,8 +98,7 @@ def get_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tena
 def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Delete a dataset and its file."""
     store = request.app.state.store
-    if store.get("datasets", tenant_id, dataset_id) is None:
-        raise not_found("dataset", dataset_id)
+    owned(request, "datasets", tenant_id, dataset_id, "dataset")
     store.tx([("DELETE FROM datasets WHERE id = ?", (dataset_id,))])
     store.dataset_path(dataset_id).unlink(missing_ok=True)
     return Response(status_code=204)
@@ -181,9 +186,7 @@ def list_asu(request: Request, tenant_id: str = Depends(tenant)):
 @router.get("/v1/asu/{weights_id}", response_model=ASUOut, tags=["asu"])
 def get_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """One set of ASU weights: tau, layers, rank, steps, metrics."""
-    w = request.app.state.store.get("asu_weights", tenant_id, weights_id)
-    if w is None:
-        raise not_found("ASU weights", weights_id)
+    w = owned(request, "asu_weights", tenant_id, weights_id, "ASU weights")
     return _asu_out(w)
 
 
@@ -195,8 +198,7 @@ def _profiles_using(store, tenant_id: str, key: str, value: str) -> list[str]:
 def delete_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Delete ASU weights (409 while a profile uses them)."""
     store = request.app.state.store
-    if store.get("asu_weights", tenant_id, weights_id) is None:
-        raise not_found("ASU weights", weights_id)
+    owned(request, "asu_weights", tenant_id, weights_id, "ASU weights")
     users = _profiles_using(store, tenant_id, "weights", weights_id)
     if users:
         raise HTTPException(409, f"ASU weights {weights_id!r} are used by profiles {', '.join(users)}; change them first")
@@ -264,9 +266,7 @@ def list_heads(request: Request, tenant_id: str = Depends(tenant)):
 @router.get("/v1/heads/{head_id}", response_model=HeadOut, tags=["heads"])
 def get_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """One head: rank, held-out metrics, recommended settings."""
-    h = request.app.state.store.get("heads", tenant_id, head_id)
-    if h is None:
-        raise not_found("head", head_id)
+    h = owned(request, "heads", tenant_id, head_id, "head")
     return _head_out(h)
 
 
@@ -274,8 +274,7 @@ def get_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
 def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Delete a head (409 while a profile uses it)."""
     store = request.app.state.store
-    if store.get("heads", tenant_id, head_id) is None:
-        raise not_found("head", head_id)
+    owned(request, "heads", tenant_id, head_id, "head")
     users = _profiles_using(store, tenant_id, "head", head_id)
     if users:
         raise HTTPException(409, f"head {head_id!r} is used by profiles {', '.join(users)}; change them first")
@@ -294,9 +293,7 @@ def list_jobs(request: Request, tenant_id: str = Depends(tenant)):
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
 def get_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """A job: status, phase, progress 0-1, metrics, and the head or weights it made."""
-    job = request.app.state.store.get("jobs", tenant_id, job_id)
-    if job is None:
-        raise not_found("job", job_id)
+    job = owned(request, "jobs", tenant_id, job_id, "job")
     return _job_out(job)
 
 
@@ -304,8 +301,7 @@ def get_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
 def cancel_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Cancel a queued or running job (409 once it ended)."""
     store = request.app.state.store
-    if store.get("jobs", tenant_id, job_id) is None:
-        raise not_found("job", job_id)
+    owned(request, "jobs", tenant_id, job_id, "job")
     if not request.app.state.jobs.cancel(tenant_id, job_id):
         raise HTTPException(409, f"job {job_id!r} has already ended")
     return _job_out(store.get("jobs", tenant_id, job_id))
@@ -315,8 +311,7 @@ def cancel_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
 async def job_events(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Server-sent events: the job's state each time it changes, until it ends."""
     store = request.app.state.store
-    if store.get("jobs", tenant_id, job_id) is None:
-        raise not_found("job", job_id)
+    owned(request, "jobs", tenant_id, job_id, "job")
 
     async def events():
         last = None

@@ -5,7 +5,6 @@ import json
 import re
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
