@@ -283,7 +283,8 @@ def cmd_asu_train(args) -> int:
         raise UsageError("asu train: --out is required offline")
     lm = load_model(args.model, args.device, args.dtype)
     forget, retain = read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
-    cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, retain_loss=args.retain_loss,
+    cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
+                    retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed)
     tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
     save_asu(args.out, tensors, info)
@@ -467,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float, default=16.0, help="attention temperature of the teacher (default 16)")
     p.add_argument("--layers", default=None, help="layers to temper, e.g. 0-1,3 (default: all)")
     p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--full-layers", default=None,
+                   help="train these layers' projections in full instead of LoRA adapters, e.g. 0-1 "
+                        "(stored as deltas; served as exact full-rank adapters)")
     p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
     p.add_argument("--retain-weight", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2e-3)

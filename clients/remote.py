@@ -78,8 +78,8 @@ def heads_train(client: Lethe, args):
 
 
 def asu_train(client: Lethe, args):
-    options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "retain_loss", "retain_weight", "lr",
-                                              "steps", "seed")}
+    options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
+                                              "retain_weight", "lr", "steps", "seed")}
     job = client.train_asu(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
                            **{k: v for k, v in options.items() if v is not None})
     return _run_job(client, job, args.wait, args.quiet)

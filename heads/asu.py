@@ -44,6 +44,7 @@ class ASUConfig:
     lora_rank: int = 8
     lora_alpha: int = 16
     target_modules: tuple[str, ...] = TARGETS
+    full_layers: str | None = None  # "0-1": train these layers' projections fully instead of LoRA adapters
     retain_loss: str = "gd"  # gd | kl
     retain_weight: float = 1.0
     lr: float = 2e-3
@@ -62,6 +63,8 @@ class ASUInfo:
     lora_rank: int
     lora_alpha: int
     target_modules: list[str]
+    mode: str = "lora"  # lora | full (the changed projection weights, as deltas)
+    full_layers: list[int] = field(default_factory=list)
     steps: int = 0
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
@@ -93,6 +96,63 @@ def _answer_logits(model, ids, mask, spans) -> tuple[torch.Tensor, torch.Tensor]
     return logits[rows, cols].float(), ids[rows, cols + 1]
 
 
+class _LoRA:
+    """The student as LoRA adapters (peft) on the base."""
+
+    def __init__(self, model, info: "ASUInfo"):
+        from peft import get_peft_model
+
+        self.model = get_peft_model(model, lora_config(info))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def original(self):
+        return self.model.disable_adapter()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def restore(self) -> None:
+        self.model.unload()  # the LoRA layers come out again; the base modules are back in place
+
+
+_LAYER = __import__("re").compile(r"layers\.(\d+)\.")
+
+
+class _FullLayers:
+    """The student as the base with the projections of some layers trained in full; kept as deltas."""
+
+    def __init__(self, model, targets, layers: list[int]):
+        self.model = model
+        self.modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                        and n.rsplit(".", 1)[-1] in targets and (k := _LAYER.search(n)) and int(k.group(1)) in layers}
+        if not self.modules:
+            raise ValueError("full_layers: no projection of those layers found")
+        self.originals = {n: m.weight.detach().clone() for n, m in self.modules.items()}
+        model.requires_grad_(False)
+        self.params = [m.weight.requires_grad_(True) for m in self.modules.values()]
+
+    @contextmanager
+    def original(self):
+        trained = {n: m.weight.data for n, m in self.modules.items()}
+        for n, m in self.modules.items():
+            m.weight.data = self.originals[n]
+        try:
+            yield
+        finally:
+            for n, m in self.modules.items():
+                m.weight.data = trained[n]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{n}.delta": (m.weight.detach() - self.originals[n]).cpu().contiguous() for n, m in self.modules.items()}
+
+    def restore(self) -> None:
+        for n, m in self.modules.items():
+            m.weight.data = self.originals[n]
+            m.weight.requires_grad_(False)
+
+
 def lora_config(info: ASUInfo):
     from peft import LoraConfig
 
@@ -103,8 +163,6 @@ def lora_config(info: ASUInfo):
 def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None = None, progress: bool = True,
               on_progress=None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
     """Distil LoRA adapters; returns (adapter tensors, info). `lm.model` is left as it was."""
-    from peft import get_peft_model, get_peft_model_state_dict
-
     cfg = cfg or ASUConfig()
     if not forget:
         raise ValueError("forget: the forget set is empty")
@@ -133,11 +191,16 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
             teacher += list(torch.log_softmax(logits, -1).to(torch.float16).split(sizes))
     info = ASUInfo(base_fingerprint=lm.fingerprint, tau=cfg.tau, layers=layers, lora_rank=cfg.lora_rank,
                    lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), training=asdict(cfg))
-    peft_model = get_peft_model(model, lora_config(info))
+    if cfg.full_layers is not None:
+        info.mode = "full"
+        info.full_layers = parse_layers(cfg.full_layers, model.config.num_hidden_layers)
+        student = _FullLayers(model, cfg.target_modules, info.full_layers)
+    else:
+        student = _LoRA(model, info)
+    peft_model = student.model
     try:
         peft_model.train()
-        params = [p for p in peft_model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(student.params, lr=cfg.lr, weight_decay=0.0)
 
         def forget_kl(idx: list[int]) -> torch.Tensor:
             ids, mask, spans = _batch(tok, [fx[i] for i in idx], device)
@@ -150,7 +213,7 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
             student, target = _answer_logits(peft_model, ids, mask, spans)
             if cfg.retain_loss == "gd":
                 return F.cross_entropy(student, target)
-            with torch.no_grad(), peft_model.disable_adapter():
+            with torch.no_grad(), student.original():
                 original, _ = _answer_logits(peft_model, ids, mask, spans)
             return F.kl_div(torch.log_softmax(student, -1), torch.log_softmax(original, -1), log_target=True,
                             reduction="batchmean")
@@ -186,9 +249,9 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                     if stale >= cfg.patience:
                         break
         peft_model.eval()
-        tensors = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+        tensors = student.tensors()
     finally:
-        peft_model.unload()  # the LoRA layers come out again; the base modules are back in place
+        student.restore()  # the model is the base again
     info.steps = step + 1
     info.metrics = {"seconds": round(time.perf_counter() - started, 2), "forget_kl_start": round(history[0][1], 4),
                     "forget_kl_end": round(history[-1][1], 4),
@@ -220,16 +283,45 @@ def attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
     to decode with. The base weights are shared by every adapter."""
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 
+    config = lora_config(info) if info.mode == "lora" else _full_rank_config(model, tensors)
     if isinstance(model, PeftModel):
-        model.add_adapter(name, lora_config(info))
+        model.add_adapter(name, config)
     else:
-        model = get_peft_model(model, lora_config(info), adapter_name=name)
+        model = get_peft_model(model, config, adapter_name=name)
+    if info.mode == "full":
+        _load_full_rank(model, name, tensors)
+        model.eval()
+        return model
     result = set_peft_model_state_dict(model, tensors, adapter_name=name)
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
         raise HeadFileError(f"adapter {name}: tensors that fit no module of this model: {missing[:3]}")
     model.eval()
     return model
+
+
+def _full_rank_config(model, tensors: dict[str, torch.Tensor]):
+    """Full-layer deltas served as LoRA of full rank (A = I, B = delta): exact, and batchable with others."""
+    from peft import LoraConfig
+
+    ranks = {k[: -len(".delta")]: t.shape[1] for k, t in tensors.items()}
+    return LoraConfig(r=1, lora_alpha=1, target_modules=list(ranks), rank_pattern=ranks, alpha_pattern=ranks,
+                      lora_dropout=0.0, bias="none")
+
+
+def _load_full_rank(model, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    deltas = {k[: -len(".delta")]: t for k, t in tensors.items()}
+    found = 0
+    for module_name, module in model.named_modules():
+        key = next((k for k in deltas if module_name.endswith(k)), None)
+        if key is None or not hasattr(module, "lora_A") or name not in module.lora_A:
+            continue
+        delta = deltas[key].to(module.lora_B[name].weight)
+        module.lora_A[name].weight.data = torch.eye(delta.shape[1], dtype=delta.dtype, device=delta.device)
+        module.lora_B[name].weight.data = delta
+        found += 1
+    if found != len(deltas):
+        raise HeadFileError(f"adapter {name}: {len(deltas) - found} deltas fit no module of this model")
 
 
 def detach(model, name: str) -> None:

@@ -214,8 +214,8 @@ class JobRunner:
         with self.engine.model_lock:
             base = copy.deepcopy(base) if base is self.engine.lm.model else base
         lm = replace(self.engine.lm, model=base)
-        cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "retain_loss", "retain_weight", "lr",
-                                                   "steps", "seed") if k in params})
+        cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
+                                                   "retain_weight", "lr", "steps", "seed") if k in params})
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
                                   on_progress=lambda f: progress("distilling", f))
         del lm, base

@@ -110,6 +110,8 @@ class ASUJobRequest(Strict):
     tau: float = Field(16.0, gt=1, le=1000, allow_inf_nan=False, description="Teacher attention temperature.")
     layers: str | None = Field(None, pattern=r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$", description="e.g. 0-1,3")
     lora_rank: int = Field(8, ge=1, le=256)
+    full_layers: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+                                    description="Train these layers' projections in full instead of LoRA.")
     retain_loss: Literal["gd", "kl"] = "gd"
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)

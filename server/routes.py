@@ -134,10 +134,13 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
 
     store = request.app.state.store
     _check_datasets(store, tenant_id, body)
-    try:
-        parse_layers(body.layers, request.app.state.engine.lm.model.config.num_hidden_layers)
-    except ValueError as e:
-        raise field_error("layers", str(e)) from None
+    n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
+    for field in ("layers", "full_layers"):
+        try:
+            if field == "layers" or body.full_layers is not None:
+                parse_layers(getattr(body, field), n_layers)
+        except ValueError as e:
+            raise field_error(field, str(e)) from None
     job_id = request.app.state.jobs.submit(tenant_id, "asu", body.model_dump())
     return _job_out(store.get("jobs", tenant_id, job_id))
 

@@ -258,3 +258,16 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     b = new_tenant(live, "b3")
     assert b.get(f"/v1/asu/{weights}").status_code == 404 and b.delete(f"/v1/asu/{weights}").status_code == 404
     assert b.put("/v1/profiles/x", json={"backend": "asu", "weights": weights}).status_code == 404
+    full = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 10, "full_layers": "1"})
+    assert full.status_code == 202
+    assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "full_layers": "5"}).status_code == 422
+    for _ in range(600):
+        state = a.get(f"/v1/jobs/{full.json()['id']}").json()
+        if state["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        threading.Event().wait(0.1)
+    assert state["status"] == "succeeded", state
+    a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
+    with ThreadPoolExecutor(3) as pool:  # rows of a LoRA adapter, a full-layer adapter and the base in one batch
+        outs = list(pool.map(lambda p: _ask(a, [rec], p)[0], ["asu", "full", None]))
+    assert [o["profile"]["name"] for o in outs] == ["asu", "full", "base"] and outs[2]["text"] == base_answer

@@ -96,3 +96,31 @@ def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path)
     assert json.loads(report.read_text())["profile"] == "asu"
     assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
                  "--retain", str(tmp_path / "retain.jsonl"), "--layers", "7", "--out", str(out)]) == 1
+
+
+def test_full_layer_option_trains_chosen_layers_and_serves_as_an_exact_adapter(tiny_model_dir, tiny_records):
+    lm = load_model(tiny_model_dir)
+    forget, retain = split_by_author(tiny_records, 1)
+    before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    tensors, info = train_asu(lm, forget, retain, ASUConfig(tau=16.0, steps=30, check_every=10, full_layers="1"),
+                              progress=False)
+    assert info.mode == "full" and info.full_layers == [1]
+    assert all(k.endswith(".delta") and ".layers.1." in k for k in tensors) and len(tensors) == 7
+    assert all(torch.equal(p, before[n]) for n, p in lm.model.named_parameters()), "the base is restored"
+    assert info.metrics["forget_kl_end"] < info.metrics["forget_kl_start"]
+    # served as a full-rank adapter, the deltas give exactly the model with the trained weights
+    prompts = [question_prompt(r["question"]) for r in forget[:2]]
+    model = attach(lm.model, "asu_full", tensors, info)
+    try:
+        with torch.no_grad():
+            ids = lm.tokenizer(prompts[0], return_tensors="pt")["input_ids"]
+            via_adapter = model(ids).logits
+            model.disable_adapter_layers()
+            for name, mod in model.base_model.model.named_modules():
+                key = name + ".delta"
+                if key in tensors:
+                    mod.base_layer.weight.data += tensors[key]
+            direct = model(ids).logits
+        torch.testing.assert_close(via_adapter, direct, atol=1e-4, rtol=1e-4)
+    finally:
+        model.unload()
