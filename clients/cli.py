@@ -155,17 +155,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_heads_train(args) -> int:
-    from heads.head import save_head
+def _offline_inputs(args, command: str):
+    """(model, forget records, retain records) for an offline training command that writes --out."""
     from heads.modelio import load_model
     from heads.records import read_jsonl
+
+    if args.out is None:
+        raise UsageError(f"{command}: --out is required offline")
+    return load_model(args.model, args.device, args.dtype), read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
+
+
+def cmd_heads_train(args) -> int:
+    from heads.head import save_head
     from heads.t3 import train_head
     from heads.train import FitConfig
 
-    if args.out is None:
-        raise UsageError("heads train: --out is required offline")
-    lm = load_model(args.model, args.device, args.dtype)
-    forget, retain = read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
+    lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
                     balance=args.balance, common_df=args.common_df, seed=args.seed)
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
@@ -276,13 +281,8 @@ def cmd_bench_quality(args) -> int:
 
 def cmd_asu_train(args) -> int:
     from heads.asu import ASUConfig, save_asu, train_asu
-    from heads.modelio import load_model
-    from heads.records import read_jsonl
 
-    if args.out is None:
-        raise UsageError("asu train: --out is required offline")
-    lm = load_model(args.model, args.device, args.dtype)
-    forget, retain = read_jsonl(Path(args.forget)), read_jsonl(Path(args.retain))
+    lm, forget, retain = _offline_inputs(args, "asu train")
     cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
                     retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed)

@@ -197,38 +197,53 @@ def _profiles_using(store, tenant_id: str, key: str, value: str) -> list[str]:
     return [n for n in store.profile_names(tenant_id) if (store.current_profile(tenant_id, n) or (0, {}))[1].get(key) == value]
 
 
+def _delete_trained(request: Request, tenant_id: str, table: str, item_id: str, kind: str, key: str) -> Response:
+    """Delete a head or ASU weights: refused (409) while a profile's current version uses it."""
+    store = request.app.state.store
+    owned(request, table, tenant_id, item_id, kind)
+    users = _profiles_using(store, tenant_id, key, item_id)
+    if users:
+        raise HTTPException(409, f"{kind} {item_id!r} is used by profiles {', '.join(users)}; change them first")
+    store.tx([(f"DELETE FROM {table} WHERE id = ?", (item_id,))])
+    (request.app.state.heads if table == "heads" else request.app.state.adapters).drop(item_id)
+    (store.head_path(item_id) if table == "heads" else store.asu_path(item_id)).unlink(missing_ok=True)
+    return Response(status_code=204)
+
+
 @router.delete("/v1/asu/{weights_id}", status_code=204, tags=["asu"])
 def delete_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Delete ASU weights (409 while a profile uses them)."""
+    return _delete_trained(request, tenant_id, "asu_weights", weights_id, "ASU weights", "weights")
+
+
+async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: str, check) -> dict:
+    """Store an uploaded head or ASU file if `check(path)` (which returns its metadata as a dict) accepts it;
+    a file for another base model is 409, a malformed or non-finite one 422, and nothing stays behind."""
+    from heads.head import BaseMismatch, HeadFileError
+
     store = request.app.state.store
-    owned(request, "asu_weights", tenant_id, weights_id, "ASU weights")
-    users = _profiles_using(store, tenant_id, "weights", weights_id)
-    if users:
-        raise HTTPException(409, f"ASU weights {weights_id!r} are used by profiles {', '.join(users)}; change them first")
-    store.tx([("DELETE FROM asu_weights WHERE id = ?", (weights_id,))])
-    request.app.state.adapters.drop(weights_id)
-    store.asu_path(weights_id).unlink(missing_ok=True)
-    return Response(status_code=204)
+    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    item_id = new_id(prefix)
+    path = store.head_path(item_id) if table == "heads" else store.asu_path(item_id)
+    atomic_write_bytes(path, data)
+    try:
+        info = check(path)
+    except (HeadFileError, BaseMismatch) as e:
+        path.unlink(missing_ok=True)
+        raise field_error("file", str(e).replace(str(path), "upload"), 409 if isinstance(e, BaseMismatch) else 422)
+    store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
+               (item_id, tenant_id, None, len(data), json.dumps(info), time.time()))])
+    return store.get(table, tenant_id, item_id)
 
 
 @router.post("/v1/heads/upload", response_model=HeadOut, status_code=201, tags=["heads"])
 async def upload_head(request: Request, tenant_id: str = Depends(tenant)) -> HeadOut:
     """Upload a head file made offline (`lethe heads train`); checked against this server's model."""
-    from heads.head import BaseMismatch, HeadFileError, load_head
+    from heads.head import load_head
 
-    store, lm = request.app.state.store, request.app.state.engine.lm
-    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
-    head_id = new_id("head")
-    path = store.head_path(head_id)
-    atomic_write_bytes(path, data)
-    try:
-        _, info = load_head(path, lm.fingerprint, lm.model.config.vocab_size, lm.model.config.hidden_size)
-    except (HeadFileError, BaseMismatch) as e:
-        path.unlink(missing_ok=True)
-        raise field_error("file", str(e).replace(str(path), "upload"), 409 if isinstance(e, BaseMismatch) else 422)
-    store.tx([("INSERT INTO heads VALUES (?, ?, ?, ?, ?, ?)",
-               (head_id, tenant_id, None, len(data), json.dumps(info.__dict__), time.time()))])
-    return _head_out(store.get("heads", tenant_id, head_id))
+    cfg, fingerprint = request.app.state.engine.lm.model.config, request.app.state.engine.lm.fingerprint
+    return _head_out(await _upload_trained(request, tenant_id, "heads", "head", lambda path: load_head(
+        path, fingerprint, cfg.vocab_size, cfg.hidden_size)[1].__dict__))
 
 
 @router.post("/v1/asu/upload", response_model=ASUOut, status_code=201, tags=["asu"])
@@ -237,21 +252,10 @@ async def upload_asu(request: Request, tenant_id: str = Depends(tenant)) -> ASUO
     from dataclasses import asdict
 
     from heads.asu import load_asu
-    from heads.head import BaseMismatch, HeadFileError
 
-    store, lm = request.app.state.store, request.app.state.engine.lm
-    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
-    weights_id = new_id("asu")
-    path = store.asu_path(weights_id)
-    atomic_write_bytes(path, data)
-    try:
-        _, info = load_asu(path, lm.fingerprint)
-    except (HeadFileError, BaseMismatch) as e:
-        path.unlink(missing_ok=True)
-        raise field_error("file", str(e).replace(str(path), "upload"), 409 if isinstance(e, BaseMismatch) else 422)
-    store.tx([("INSERT INTO asu_weights VALUES (?, ?, ?, ?, ?, ?)",
-               (weights_id, tenant_id, None, len(data), json.dumps(asdict(info)), time.time()))])
-    return _asu_out(store.get("asu_weights", tenant_id, weights_id))
+    fingerprint = request.app.state.engine.lm.fingerprint
+    return _asu_out(await _upload_trained(request, tenant_id, "asu_weights", "asu",
+                                          lambda path: asdict(load_asu(path, fingerprint)[1])))
 
 
 def _head_out(h: dict) -> HeadOut:
@@ -276,15 +280,7 @@ def get_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
 @router.delete("/v1/heads/{head_id}", status_code=204, tags=["heads"])
 def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """Delete a head (409 while a profile uses it)."""
-    store = request.app.state.store
-    owned(request, "heads", tenant_id, head_id, "head")
-    users = _profiles_using(store, tenant_id, "head", head_id)
-    if users:
-        raise HTTPException(409, f"head {head_id!r} is used by profiles {', '.join(users)}; change them first")
-    store.tx([("DELETE FROM heads WHERE id = ?", (head_id,))])
-    request.app.state.heads.drop(head_id)
-    store.head_path(head_id).unlink(missing_ok=True)
-    return Response(status_code=204)
+    return _delete_trained(request, tenant_id, "heads", head_id, "head", "head")
 
 
 @router.get("/v1/jobs", response_model=list[JobOut], tags=["jobs"])

@@ -229,17 +229,22 @@ def test_full_queue_answers_429_with_retry_after(tiny_lm, tmp_path):
         assert "lethe_generated_tokens_total" in metrics and "lethe_batch_size_bucket" in metrics
 
 
+def _wait_job(client, job_id: str) -> dict:
+    for _ in range(600):
+        state = client.get(f"/v1/jobs/{job_id}").json()
+        if state["status"] in ("succeeded", "failed", "cancelled"):
+            return state
+        threading.Event().wait(0.1)
+    raise TimeoutError(job_id)
+
+
 def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     a = tenant_a["client"]
     forget_id, retain_id = tenant_a["datasets"]
     job = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 40, "layers": "0-1"})
     assert job.status_code == 202, job.text
     assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "layers": "0-9"}).status_code == 422
-    for _ in range(600):
-        state = a.get(f"/v1/jobs/{job.json()['id']}").json()
-        if state["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        threading.Event().wait(0.1)
+    state = _wait_job(a, job.json()["id"])
     assert state["status"] == "succeeded", state
     weights = state["weights"]
     info = a.get(f"/v1/asu/{weights}").json()
@@ -261,11 +266,7 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     full = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 10, "full_layers": "1"})
     assert full.status_code == 202
     assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "full_layers": "5"}).status_code == 422
-    for _ in range(600):
-        state = a.get(f"/v1/jobs/{full.json()['id']}").json()
-        if state["status"] in ("succeeded", "failed", "cancelled"):
-            break
-        threading.Event().wait(0.1)
+    state = _wait_job(a, full.json()["id"])
     assert state["status"] == "succeeded", state
     a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
     with ThreadPoolExecutor(3) as pool:  # rows of a LoRA adapter, a full-layer adapter and the base in one batch
