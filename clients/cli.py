@@ -239,12 +239,25 @@ def cmd_bench_t3(args) -> int:
         lm, head = random_model(lm, hidden, layers)
         print(f"random Llama, hidden {hidden}, {layers} layers: "
               f"{sum(p.numel() for p in lm.model.parameters()) / 1e6:.1f}M parameters, random head")
-    result = bench_t3(lm, forget, retain, head, repeats=args.repeats, training=not args.random_model)
+    asu_model = None
+    if args.asu:  # decode the same base with the adapter attached (a copy, so the no-adapter runs stay plain)
+        import copy
+
+        from heads.asu import attach, load_asu
+
+        tensors, info = load_asu(args.asu, lm.fingerprint)
+        asu_model = attach(copy.deepcopy(lm.model), "asu_bench", tensors, info)
+    result = bench_t3(lm, forget, retain, head, repeats=args.repeats, training=not args.random_model,
+                      asu_model=asu_model)
     for row in result["decode"]:
         print(f"decode batch {row['batch']}: T3 / no head = {row['t3_over_no_head']:.3f}x, "
               f"Lethe speed / model.generate = {row['lethe_speedup_over_hf_generate']:.3f}x "
               f"(no head {row['no_head_s']:.3f} s, T3 {row['t3_s']:.3f} s, generate {row['hf_generate_s']:.3f} s, "
               f"{row['new_tokens']} tokens)")
+        if "asu_over_no_head" in row:
+            print(f"decode batch {row['batch']}: ASU / no adapter = {row['asu_over_no_head']:.3f}x, "
+                  f"ASU + T3 = {row['asu_t3_over_no_head']:.3f}x, "
+                  f"half ASU rows, half base rows = {row['asu_mixed_with_base_over_no_head']:.3f}x")
     t = result.get("training")
     if t:
         print(f"training on {t['records']} records: Lethe cache {t['cache_s']:.2f} s + fit {t['fit_s']:.2f} s "

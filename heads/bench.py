@@ -36,8 +36,12 @@ def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[st
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, repeats: int = 5) -> list[dict]:
-    """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8."""
+def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, repeats: int = 5,
+                 asu_model=None) -> list[dict]:
+    """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8.
+
+    With `asu_model` (the same base with an adapter `asu_bench` attached), also with the ASU adapter, alone
+    and with the head, and a batch mixing adapter and base rows."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     guide = HeadGuide.uniform(head, TiltSettings())
@@ -51,12 +55,23 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
                 model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                pad_token_id=tok.pad_token_id)
 
-        t = _median_times({"no_head": lambda: generate(model, tok, ps, params),
-                           "t3": lambda: generate(model, tok, ps, params, guide),
-                           "hf_generate": hf}, repeats)
-        rows.append({"batch": batch, "new_tokens": new_tokens, **{f"{k}_s": round(v, 4) for k, v in t.items()},
-                     "t3_over_no_head": round(t["t3"] / t["no_head"], 3),
-                     "lethe_speedup_over_hf_generate": round(t["hf_generate"] / t["no_head"], 3)})
+        variants = {"no_head": lambda: generate(model, tok, ps, params),
+                    "t3": lambda: generate(model, tok, ps, params, guide),
+                    "hf_generate": hf}
+        if asu_model is not None:
+            names = ["asu_bench"] * batch
+            mixed = ["asu_bench" if i % 2 == 0 else "__base__" for i in range(batch)]
+            variants |= {"asu": lambda: generate(asu_model, tok, ps, params, adapters=names),
+                         "asu_t3": lambda: generate(asu_model, tok, ps, params, guide, adapters=names),
+                         "asu_mixed_with_base": lambda: generate(asu_model, tok, ps, params, adapters=mixed)}
+        t = _median_times(variants, repeats)
+        row = {"batch": batch, "new_tokens": new_tokens, **{f"{k}_s": round(v, 4) for k, v in t.items()},
+               "t3_over_no_head": round(t["t3"] / t["no_head"], 3),
+               "lethe_speedup_over_hf_generate": round(t["hf_generate"] / t["no_head"], 3)}
+        for k in ("asu", "asu_t3", "asu_mixed_with_base"):
+            if k in t:
+                row[f"{k}_over_no_head"] = round(t[k] / t["no_head"], 3)
+        rows.append(row)
     return rows
 
 
@@ -89,9 +104,9 @@ def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100
 
 
 def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 5,
-             training: bool = True) -> dict:
+             training: bool = True, asu_model=None) -> dict:
     prompts = [question_prompt(r["question"]) for r in (forget + retain)[::97][:8]]
-    out = {"decode": bench_decode(lm, head, prompts, repeats=repeats)}
+    out = {"decode": bench_decode(lm, head, prompts, repeats=repeats, asu_model=asu_model)}
     if training:
         out["training"] = bench_training(lm, forget, retain)
     return out
