@@ -270,9 +270,8 @@ def cmd_bench_t3(args) -> int:
     return 0
 
 
-def cmd_bench_quality(args) -> int:
-    from heads.ablation import markdown_header, markdown_row, quality_table
-    from heads.evaluate import EvalConfig, plot_reports
+def _table_run(args, header, row, make_rows) -> list:
+    """Load the model, its reference and the sets; print a markdown table row by row; write JSON and .md."""
     from heads.io import atomic_write_text
     from heads.modelio import load_model
     from heads.records import read_jsonl
@@ -280,13 +279,20 @@ def cmd_bench_quality(args) -> int:
     lm = load_model(args.model, args.device, args.dtype)
     reference = load_model(args.reference_model, args.device, args.dtype)
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
-    print(markdown_header(), flush=True)
-    rows = quality_table(lm, reference, forget, retain, EvalConfig(seeds=tuple(args.seeds)),
-                         log=lambda line: print(line, flush=True))
+    print(header(), flush=True)
+    rows = make_rows(lm, reference, forget, retain, lambda line: print(line, flush=True))
     if args.out:
         atomic_write_text(args.out, json.dumps([{"label": label, **r} for label, r in rows], indent=2))
-        atomic_write_text(args.out.with_suffix(".md"), "\n".join([markdown_header()] +
-                                                                   [markdown_row(*r) for r in rows]) + "\n")
+        atomic_write_text(args.out.with_suffix(".md"), "\n".join([header()] + [row(*r) for r in rows]) + "\n")
+    return rows
+
+
+def cmd_bench_quality(args) -> int:
+    from heads.ablation import markdown_header, markdown_row, quality_table
+    from heads.evaluate import EvalConfig, plot_reports
+
+    rows = _table_run(args, markdown_header, markdown_row, lambda lm, ref, f, r, log: quality_table(
+        lm, ref, f, r, EvalConfig(seeds=tuple(args.seeds)), log=log))
     if args.plot:
         plot_reports([{**r, "profile": label} for label, r in rows[:4]], args.plot)
     return 0
@@ -311,19 +317,9 @@ def cmd_asu_train(args) -> int:
 def cmd_bench_asu(args) -> int:
     from heads.ablation import asu_header, asu_row, asu_table
     from heads.evaluate import EvalConfig
-    from heads.io import atomic_write_text
-    from heads.modelio import load_model
-    from heads.records import read_jsonl
 
-    lm = load_model(args.model, args.device, args.dtype)
-    reference = load_model(args.reference_model, args.device, args.dtype)
-    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
-    print(asu_header(), flush=True)
-    rows = asu_table(lm, reference, forget, retain, tuple(args.tau), EvalConfig(seeds=()),
-                     log=lambda line: print(line, flush=True))
-    if args.out:
-        atomic_write_text(args.out, json.dumps([{"label": label, **r} for label, r in rows], indent=2))
-        atomic_write_text(args.out.with_suffix(".md"), "\n".join([asu_header()] + [asu_row(*r) for r in rows]) + "\n")
+    _table_run(args, asu_header, asu_row, lambda lm, ref, f, r, log: asu_table(
+        lm, ref, f, r, tuple(args.tau), EvalConfig(seeds=()), log=log))
     return 0
 
 

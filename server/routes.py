@@ -118,13 +118,16 @@ def _check_datasets(store, tenant_id: str, body) -> None:
             raise field_error(field, f"dataset {getattr(body, field)!r} not found", 404)
 
 
+def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut:
+    job_id = request.app.state.jobs.submit(tenant_id, kind, params)
+    return _job_out(request.app.state.store.get("jobs", tenant_id, job_id))
+
+
 @router.post("/v1/heads", response_model=JobOut, status_code=202, tags=["heads"])
 def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that caches the model's states over the two datasets and fits a T3 head."""
-    store = request.app.state.store
-    _check_datasets(store, tenant_id, body)
-    job_id = request.app.state.jobs.submit(tenant_id, "t3", body.model_dump())
-    return _job_out(store.get("jobs", tenant_id, job_id))
+    _check_datasets(request.app.state.store, tenant_id, body)
+    return _submit(request, tenant_id, "t3", body.model_dump())
 
 
 @router.post("/v1/asu", response_model=JobOut, status_code=202, tags=["asu"])
@@ -132,8 +135,7 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
     """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
     from heads.attention import parse_layers
 
-    store = request.app.state.store
-    _check_datasets(store, tenant_id, body)
+    _check_datasets(request.app.state.store, tenant_id, body)
     n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
     for field in ("layers", "full_layers"):
         try:
@@ -141,8 +143,7 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
                 parse_layers(getattr(body, field), n_layers)
         except ValueError as e:
             raise field_error(field, str(e)) from None
-    job_id = request.app.state.jobs.submit(tenant_id, "asu", body.model_dump())
-    return _job_out(store.get("jobs", tenant_id, job_id))
+    return _submit(request, tenant_id, "asu", body.model_dump())
 
 
 @router.post("/v1/eval", response_model=JobOut, status_code=202, tags=["eval"])
@@ -170,8 +171,7 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
         raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
     params = body.model_dump(exclude={"profile"}) | {"spec": spec,
                                                      "profile": profile if isinstance(profile, str) else None}
-    job_id = request.app.state.jobs.submit(tenant_id, "eval", params)
-    return _job_out(store.get("jobs", tenant_id, job_id))
+    return _submit(request, tenant_id, "eval", params)
 
 
 def _asu_out(w: dict) -> ASUOut:
