@@ -272,3 +272,39 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     with ThreadPoolExecutor(3) as pool:  # rows of a LoRA adapter, a full-layer adapter and the base in one batch
         outs = list(pool.map(lambda p: _ask(a, [rec], p)[0], ["asu", "full", None]))
     assert [o["profile"]["name"] for o in outs] == ["asu", "full", "base"] and outs[2]["text"] == base_answer
+
+
+def test_jobs_and_adapter_changes_while_serving_fail_no_request(tiny_model_dir, tiny_records, tmp_path):
+    """Training (T3 and ASU) and attaching adapters happen while requests stream in; none fails or changes."""
+    with running_server(load_model(tiny_model_dir), tmp_path) as url:
+        c = new_tenant(url, "busy")
+        forget, retain = split_by_author(tiny_records, 1)
+        f = c.post("/v1/datasets", content=_jsonl(forget)).json()["id"]
+        r = c.post("/v1/datasets", content=_jsonl(retain)).json()["id"]
+        rec = retain[4]
+        expected = _ask(c, [rec])[0]["text"]
+        stop, failures, answers = threading.Event(), [], []
+
+        def load():
+            with httpx.Client(base_url=url, headers=c.headers, timeout=60) as h:
+                while not stop.is_set():
+                    out = h.post("/generate", json={"prompt": question_prompt(rec["question"]), "temperature": 0,
+                                                    "max_new_tokens": 40})
+                    (answers if out.status_code == 200 else failures).append(out.json())
+
+        with ThreadPoolExecutor(4) as pool:
+            workers = [pool.submit(load) for _ in range(3)]
+            try:
+                asu = _wait_job(c, c.post("/v1/asu", json={"forget": f, "retain": r, "steps": 20}).json()["id"])
+                assert asu["status"] == "succeeded", asu
+                assert c.put("/v1/profiles/a", json={"backend": "asu", "weights": asu["weights"]}).status_code == 200
+                head = _wait_job(c, c.post("/v1/heads", json={"forget": f, "retain": r}).json()["id"])
+                assert head["status"] == "succeeded", head  # trained on a copy: an adapter is attached now
+                assert c.put("/v1/profiles/t", json={"head": head["head"]}).status_code == 200
+                assert _ask(c, [rec], "a")[0]["profile"]["name"] == "a"
+            finally:
+                stop.set()
+                for w in workers:
+                    w.result()
+        assert failures == [] and len(answers) > 10
+        assert {a["text"] for a in answers} == {expected}, "base rows never saw an adapter or a half-changed model"
