@@ -370,6 +370,17 @@ def cmd_bench_soak(args) -> int:
     return 0
 
 
+def _add_resource_commands(group, kind: str, label: str) -> None:
+    """`list`, `get ID` and `delete ID` for one kind of server resource (they need --url)."""
+    from clients import remote
+
+    for action in ("list", "get", "delete"):
+        q = group.add_parser(action, help=f"{action} the server's {label} (needs --url)")
+        if action != "list":
+            q.add_argument("id")
+        q.set_defaults(func=None, remote=remote.resources(kind), action=action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import os
 
@@ -456,11 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
     p.set_defaults(func=cmd_heads_train, remote=remote.heads_train)
-    for action in ("list", "get", "delete"):
-        q = heads.add_parser(action, help=f"{action} the server's heads (needs --url)")
-        if action != "list":
-            q.add_argument("id")
-        q.set_defaults(func=None, remote=remote.resources("heads"), action=action)
+    _add_resource_commands(heads, "heads", "heads")
 
     p = heads.add_parser("import-reference", help="convert an open-unlearning T3 save into a Lethe head")
     _add_model_args(p)
@@ -488,11 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", type=Path, help="weights file to write; offline only, required there")
     p.set_defaults(func=cmd_asu_train, remote=remote.asu_train)
-    for action in ("list", "get", "delete"):
-        q = asu.add_parser(action, help=f"{action} the server's ASU weights (needs --url)")
-        if action != "list":
-            q.add_argument("id")
-        q.set_defaults(func=None, remote=remote.resources("asu"), action=action)
+    _add_resource_commands(asu, "asu", "ASU weights")
 
     p = sub.add_parser("openapi", help="print the HTTP API's OpenAPI schema (or, --markdown, the README table)")
     p.add_argument("--markdown", action="store_true")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -337,8 +337,7 @@ def adapters(model, names: list[str] | None):
     from peft import PeftModel
 
     if names is None or not isinstance(model, PeftModel):
-        with nullcontext():
-            yield
+        yield
         return
     with model.base_model._enable_peft_forward_hooks(adapter_names=names):
         yield

@@ -13,6 +13,7 @@ position's logits.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +112,8 @@ class Batch:
         self._last_hidden = last
 
     def _adapters(self):
+        if self.adapters is None:  # the common case: no per-row adapters, nothing to set up per step
+            return nullcontext()
         from heads.asu import adapters
 
         return adapters(self.model, self.adapters)
