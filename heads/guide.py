@@ -3,7 +3,8 @@
 `TiltSettings` is what a profile chooses (T, lam, and Lethe's gate and
 candidate restriction). `HeadGuide` is the decode loop's `Guide`: it groups the
 rows by head, runs each head once on its rows' pooled states and applies
-`heads.tilt.tilt`. Rows without a head keep the model's logits untouched.
+`heads.tilt.tilt_candidates` (or `heads.tilt.tilt` over the whole vocabulary when
+a row turns candidates off). Rows without a head keep the model's logits untouched.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from heads.head import T3Head
-from heads.tilt import candidates_of, tilt, tilt_among
+from heads.tilt import candidates_of, tilt, tilt_candidates
 
 
 @dataclass(frozen=True)
@@ -79,25 +80,14 @@ class HeadGuide:
         guide.same = (head, settings)
         return guide
 
-    def _build(self, batch: int, device) -> list[tuple]:
+    def _build(self, batch: int, device) -> list["_Group"]:
         rows = [self.same] * batch if self.same is not None else self.rows
         by_head: dict[int, tuple[T3Head, list[int]]] = {}
         for i, row in enumerate(rows):
             if row is not None:
                 by_head.setdefault(id(row[0]), (row[0], []))[1].append(i)
-        groups = []
-        for head, idx in by_head.values():
-            s = [rows[i][1] for i in idx]
-            everyone = len(idx) == batch
-            groups.append((head, None if everyone else torch.tensor(idx, device=device),
-                           torch.tensor([x.T for x in s], device=device),
-                           torch.tensor([x.lam for x in s], device=device),
-                           torch.tensor([x.candidates for x in s], device=device),
-                           torch.tensor([-1.0 if x.cap is None else x.cap for x in s], device=device)
-                           if any(x.cap is not None for x in s) else None,
-                           torch.tensor([x.gate for x in s], device=device) if any(x.gate for x in s) else None,
-                           all(x.candidates > 0 for x in s), all(x.gate for x in s)))
-        return groups
+        return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device)
+                for head, idx in by_head.values()]
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         if self._groups is None or self._size != logits.size(0):
@@ -105,21 +95,72 @@ class HeadGuide:
         if not self._groups:
             return logits
         out = None
-        for head, rows, T, lam, k, cap, gate_on, all_candidates, all_gated in self._groups:
-            x, p = (logits, pooled) if rows is None else (logits[rows], pooled[rows])
-            if all_candidates:  # only the candidates' terms are needed
-                cand = candidates_of(x, k)
-                forget_p, z = head.decode_terms(p, cand)
-                gate = None if gate_on is None else forget_p if all_gated else torch.where(gate_on, forget_p, 1.0)
-                tilted = tilt_among(x, cand, z, T, lam, gate, cap)
-            else:
-                gate = None
-                if gate_on is not None:
-                    gate = torch.where(gate_on, head.forget_probability(p), 1.0)
-                tilted = tilt(x, head(p), T, lam, gate, k, cap)
-            if rows is None:
-                return tilted
+        for group in self._groups:
+            if group.rows is None:
+                return group(logits, pooled)
             if out is None:
                 out = logits.float().clone()
-            out[rows] = tilted
+            out[group.rows] = group(logits[group.rows], pooled[group.rows])
         return out
+
+
+@dataclass
+class _Group:
+    """Rows of a batch that share one head, with their settings as tensors, built once per batch.
+
+    With candidates on every row (the default), settings are (B, 1) columns for `tilt_candidates`, and
+    left out where they change nothing (T = 1, no cap, every row gated), so a step runs few operations.
+    """
+
+    head: T3Head
+    rows: torch.Tensor | None  # None: every row of the batch
+    k: int  # > 0: candidates on every row (the most any row asks for); 0: the whole-vocabulary path
+    keep: torch.Tensor | None  # (B, k): False past a row's own number of candidates
+    T: torch.Tensor | None
+    lam: torch.Tensor
+    cap: torch.Tensor | None
+    gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
+    any_gated: bool
+    dense: tuple | None  # (T, lam, k, cap, gate switch) as (B,) vectors for `tilt`, when k == 0
+
+    @classmethod
+    def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device) -> "_Group":
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, device=device, dtype=dtype)[:, None]
+
+        rows = None if everyone else torch.tensor(idx, device=device)
+        any_gated = any(s.gate for s in settings)
+        gated = None if all(s.gate for s in settings) or not any_gated else column([s.gate for s in settings], torch.bool)
+        if not all(s.candidates > 0 for s in settings):
+            dense = (column([s.T for s in settings])[:, 0], column([s.lam for s in settings])[:, 0],
+                     column([s.candidates for s in settings], torch.long)[:, 0],
+                     column([-1.0 if s.cap is None else s.cap for s in settings])[:, 0]
+                     if any(s.cap is not None for s in settings) else None,
+                     column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None)
+            return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, gated, any_gated, dense)
+        wanted = [min(s.candidates, head.up.out_features) for s in settings]
+        k, keep = max(wanted), None
+        if any(w != k for w in wanted):
+            keep = torch.arange(k, device=device)[None, :] < column(wanted, torch.long)
+        T = None if all(s.T == 1 for s in settings) else column([s.T for s in settings])
+        cap = None
+        if any(s.cap is not None for s in settings):
+            cap = column([float("-inf") if s.cap is None else s.cap for s in settings])
+        return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, gated, any_gated, None)
+
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates."""
+        if self.dense is not None:
+            return self._dense(logits, pooled)
+        values, ids = candidates_of(logits, self.k, self.keep)
+        forget_p, z = self.head.decode_terms(pooled, ids)
+        gate = forget_p if self.any_gated else None
+        if gate is not None and self.gated is not None:
+            gate = torch.where(self.gated, gate, 1.0)
+        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap)
+        return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
+
+    def _dense(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        T, lam, k, cap, gate_on = self.dense
+        gate = None if gate_on is None else torch.where(gate_on, self.head.forget_probability(pooled), 1.0)
+        return tilt(logits, self.head(pooled), T, lam, gate, k, cap)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -67,24 +68,40 @@ class T3Head(torch.nn.Module):
         z = torch.einsum("br,bkr->bk", u, self.up.weight[tokens])
         return z + self.up.bias[tokens] if self.up.bias is not None else z
 
-    def decode_terms(self, pooled: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For decoding: (forget probability (B,), logits of k tokens per row (B, k)) with one matmul.
+    def decode_terms(self, pooled: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """For decoding: (forget probability (B, 1), or None without a probe; logits of k tokens per row (B, k)).
 
-        The down projection and the probe share one (r + 1, d) weight, built once (heads are frozen
-        while they serve).
+        Few operations, since this runs at every step: the down projection and the probe are one matmul
+        (`_decoding_weights`), and only the k tokens' rows of W_up are read.
         """
-        fused = getattr(self, "_fused", None)
-        if fused is None:
-            w = [self.down.weight] + ([self.probe.weight] if self.probe is not None else [])
-            fused = self._fused = torch.cat(w).detach()
-        h = pooled.to(fused.dtype) @ fused.T
-        u = h[:, : self.rank]
-        z = torch.bmm(self.up.weight[tokens], u[:, :, None])[:, :, 0]
-        if self.up.bias is not None:
-            z = z + self.up.bias[tokens]
-        if self.probe is None:
-            return torch.ones(pooled.shape[0], device=pooled.device), z
-        return torch.sigmoid(-(h[:, self.rank] + self.probe.bias)).float(), z
+        down, bias, up, up_bias = self._decoding_weights()
+        h = torch.addmm(bias, pooled.to(down.dtype), down)  # (B, r + 1): u, then the probe's "forget" logit
+        z = torch.bmm(F.embedding(tokens, up), h.unsqueeze(-1)).squeeze(-1)  # up has a zero column for the probe
+        if up_bias is not None:
+            z = z + F.embedding(tokens, up_bias).squeeze(-1)
+        return (h[:, self.rank:].sigmoid() if self.probe is not None else None), z
+
+    def _decoding_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """W_down and the negated probe as one (d, r + 1) matrix with its bias, W_up with a zero column.
+
+        Built once and rebuilt only when a weight changes in place (training), so a serving head pays nothing.
+        """
+        params = list(self.parameters())
+        versions = [p._version for p in params]
+        cached = getattr(self, "_decoding", None)
+        if cached is not None and cached[0] == versions:
+            return cached[1]
+        with torch.no_grad():
+            rows, bias = [self.down.weight], [self.down.weight.new_zeros(self.rank)]
+            if self.probe is not None:  # the probe's logit says "retain"; negated, its sigmoid is P(forget)
+                rows.append(-self.probe.weight)
+                bias.append(-self.probe.bias)
+            down = torch.cat(rows).T.contiguous()
+            up = torch.cat([self.up.weight, self.up.weight.new_zeros(self.up.out_features, len(rows) - 1)], 1)
+            up_bias = None if self.up.bias is None else self.up.bias[:, None].clone()
+            weights = (down, torch.cat(bias), up.contiguous(), up_bias)
+        self._decoding = (versions, weights)
+        return weights
 
     def token_logit(self, pooled: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """(N, d), (N,) -> (N,): the logit of one token per row, without forming the (N, V) matrix."""

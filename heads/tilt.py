@@ -75,31 +75,37 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
     return out
 
 
-def candidates_of(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """(B, max k) token ids: each row's k (>= 1) likeliest tokens under the base logits.
+def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids), each (B, k): every row's k likeliest tokens under the base logits, and their logits.
 
-    A row with fewer than max k candidates repeats its top token in the spare places, so every
-    id is a real candidate and a scatter of per-candidate values writes each token's own value.
+    `keep` (B, k), optional: False where a row wants fewer candidates; those places repeat the row's top
+    token and value, so every id is a real candidate and a scatter writes each token's own value.
     """
-    idx = logits.topk(int(k.max()), dim=-1).indices
-    ranks = torch.arange(idx.size(1), device=idx.device)
-    return torch.where(ranks[None, :] < k[:, None], idx, idx[:, :1])
+    values, ids = logits.topk(k, dim=-1)
+    if keep is None:
+        return values, ids
+    return torch.where(keep, values, values[:, :1]), torch.where(keep, ids, ids[:, :1])
 
 
-def tilt_among(logits: torch.Tensor, cand: torch.Tensor, cand_head_logits: torch.Tensor, T: torch.Tensor,
-               lam: torch.Tensor, gate: torch.Tensor | None = None, cap: torch.Tensor | None = None) -> torch.Tensor:
-    """`tilt` with candidates, computed on the candidates only: -inf everywhere else.
+def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor | None, lam: torch.Tensor,
+                    gate: torch.Tensor | None = None, cap: torch.Tensor | None = None) -> torch.Tensor:
+    """`tilt` with candidates, on the candidates only: (B, k) base logits and head logits -> (B, k) scores.
 
-    cand (B, k) from `candidates_of`; cand_head_logits (B, k) the head's logits at those tokens.
-    Equal to `tilt(..., candidates=k)` up to a constant per row (the log-normaliser, skipped: it
-    changes neither the sampling distribution, nor the argmax, nor the cap), and touches the
-    vocabulary only to pick the candidates and to write the output.
+    The settings are (B, 1) columns: T (None: 1 for every row), lam, gate (None: 1), cap (None: off; a
+    row's cap of -inf turns it off for that row). Equal to `tilt(..., candidates=k)` at the candidates up
+    to a constant per row (the log-normaliser, skipped: it changes neither the sampling distribution, nor
+    the argmax, nor the cap). Written in few operations: it runs at every decoding step.
     """
-    active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
+    active = None
     if gate is not None:
-        T, lam = gated(T, lam, gate)
-    x = logits.float()
-    vals = x.gather(-1, cand) / T[:, None] + lam[:, None] * F.logsigmoid(cand_head_logits.float())
-    if cap is not None:
-        vals = cap_flagged(vals, cand_head_logits, cap, active & (cap >= 0))
-    return torch.full_like(x, float("-inf")).scatter_(-1, cand, vals)
+        T = None if T is None else torch.addcmul(torch.ones_like(gate), T - 1, gate)  # 1 + (T - 1) g
+        lam, active = lam * gate, gate > 0.5
+    scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
+    if cap is None:
+        return scores
+    flagged = head_logits < 0 if active is None else (head_logits < 0) & active
+    best_free = scores.masked_fill(flagged, float("-inf")).amax(-1, keepdim=True)
+    # no unflagged candidate (-inf), or the row's cap off (nan, or +inf): no limit
+    inf = float("inf")
+    limit = (best_free - cap).nan_to_num(nan=inf, posinf=inf, neginf=inf)
+    return torch.where(flagged, torch.minimum(scores, limit), scores)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from heads.tilt import candidates_of, guided_logits, restrict_to_candidates, tilt, tilt_among
+from heads.tilt import candidates_of, guided_logits, restrict_to_candidates, tilt, tilt_candidates
 
 
 def _reference_guide(base_logits: np.ndarray, head_logits: np.ndarray, base_temp: float, guidance_scale: float):
@@ -52,14 +52,22 @@ def test_candidates_keep_exactly_the_base_top_k():
         assert kept == set(logits[i].topk(kk).indices.tolist())
 
 
+def _among(logits, z, k, T, lam, gate, cap=None):
+    """The decode loop's candidate path, scattered back over the vocabulary (-inf elsewhere)."""
+    keep = torch.arange(int(k.max()))[None, :] < k[:, None]
+    values, ids = candidates_of(logits, int(k.max()), keep)
+    col = lambda v: None if v is None else v[:, None]  # noqa: E731
+    scores = tilt_candidates(values, z.gather(1, ids), col(T), col(lam), col(gate), col(cap))
+    return torch.full_like(logits, float("-inf")).scatter(-1, ids, scores)
+
+
 def test_tilt_among_candidates_equals_the_dense_tilt():
     g = torch.Generator().manual_seed(3)
     logits, z = torch.randn(4, 60, generator=g) * 3, torch.randn(4, 60, generator=g) * 5
     T, lam, gate = torch.tensor([1.5, 2.5, 1.0, 3.0]), torch.tensor([4.0, 1.0, 0.0, 2.0]), torch.rand(4, generator=g)
     k = torch.tensor([20, 3, 1, 7])
     dense = tilt(logits, z, T, lam, gate, k)
-    cand = candidates_of(logits, k)
-    sparse = tilt_among(logits, cand, z.gather(1, cand), T, lam, gate)
+    sparse = _among(logits, z, k, T, lam, gate)
     assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
     # equal up to a constant per row: the same distribution
     torch.testing.assert_close(torch.softmax(sparse, -1), torch.softmax(dense, -1))
@@ -85,7 +93,49 @@ def test_cap_among_candidates_equals_the_dense_cap():
     T, lam, k = torch.tensor([1.0, 2.0, 1.5]), torch.tensor([1.0, 0.5, 2.0]), torch.tensor([20, 5, 12])
     gate, cap = torch.tensor([0.9, 0.7, 0.2]), torch.tensor([0.5, 1.0, 0.5])
     dense = tilt(logits, z, T, lam, gate, k, cap)
-    cand = candidates_of(logits, k)
-    sparse = tilt_among(logits, cand, z.gather(1, cand), T, lam, gate, cap)
+    sparse = _among(logits, z, k, T, lam, gate, cap)
     assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
     torch.testing.assert_close(torch.softmax(sparse, -1), torch.softmax(dense, -1))
+
+
+def test_candidate_path_without_tempering_or_gate_and_with_a_row_whose_cap_is_off():
+    g = torch.Generator().manual_seed(7)
+    logits, z = torch.randn(3, 50, generator=g) * 4, torch.randn(3, 50, generator=g) * 3
+    k, lam = torch.tensor([10, 10, 10]), torch.tensor([1.0, 2.0, 0.5])
+    cap = torch.tensor([0.5, float("-inf"), 1.0])  # row 1: no cap
+    dense = tilt(logits, z, torch.ones(3), lam, None, k, torch.tensor([0.5, -1.0, 1.0]))
+    values, ids = candidates_of(logits, 10)
+    scores = tilt_candidates(values, z.gather(1, ids), None, lam[:, None], None, cap[:, None])
+    sparse = torch.full_like(logits, float("-inf")).scatter(-1, ids, scores)
+    torch.testing.assert_close(torch.softmax(sparse, -1), torch.softmax(dense, -1))
+
+
+def test_cap_leaves_a_row_whose_candidates_are_all_flagged_unchanged():
+    values = torch.tensor([[3.0, 2.0, 1.0]])
+    z = torch.tensor([[-1.0, -2.0, -3.0]])  # every candidate flagged: nothing to fall below
+    scores = tilt_candidates(values, z, None, torch.zeros(1, 1), None, torch.full((1, 1), 0.5))
+    torch.testing.assert_close(scores, values)
+
+
+@pytest.mark.parametrize("rows", [4, 5])  # 4: the candidate path; 5: a row over the whole vocabulary joins
+def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows):
+    from heads.guide import HeadGuide, TiltSettings
+    from heads.head import T3Head
+
+    torch.manual_seed(11)
+    head = T3Head(16, 70, 4).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.up.weight, std=3.0)
+    torch.nn.init.normal_(head.probe.weight, std=0.5)
+    settings = [TiltSettings(), TiltSettings(T=2.0, lam=3.0, candidates=5), TiltSettings(gate=False, cap=None),
+                TiltSettings(T=1.5, cap=1.0, candidates=12), TiltSettings(T=2.5, gate=False, candidates=0, cap=None)]
+    settings = settings[:rows]
+    logits, pooled = torch.randn(rows, 70) * 3, torch.randn(rows, 16)
+    with torch.inference_mode():
+        got = HeadGuide([(head, s) for s in settings])(logits, pooled)
+        for i, s in enumerate(settings):
+            one = lambda v: torch.tensor([float(v)])  # noqa: E731
+            gate = head.forget_probability(pooled[i:i + 1]) if s.gate else None
+            want = tilt(logits[i:i + 1], head(pooled[i:i + 1]), one(s.T), one(s.lam), gate,
+                        torch.tensor([s.candidates]), None if s.cap is None else one(s.cap))
+            assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), i
+            torch.testing.assert_close(torch.softmax(got[i], -1), torch.softmax(want[0], -1))
