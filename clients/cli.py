@@ -231,33 +231,31 @@ def cmd_bench_t3(args) -> int:
 
     lm = load_model(args.model, args.device, args.dtype)
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
-    head, _ = _profile(args, lm) if args.head else train_head(lm, forget, retain, progress=False)
+    head, settings = _profile(args, lm)
+    if head is None and not args.random_model:
+        head, _ = train_head(lm, forget, retain, progress=False)
     if args.random_model:
         from heads.bench import random_model
 
-        hidden, layers = (int(x) for x in args.random_model.split(","))
-        lm, head = random_model(lm, hidden, layers)
-        print(f"random Llama, hidden {hidden}, {layers} layers: "
-              f"{sum(p.numel() for p in lm.model.parameters()) / 1e6:.1f}M parameters, random head")
-    asu_model = None
-    if args.asu:  # decode the same base with the adapter attached (a copy, so the no-adapter runs stay plain)
-        import copy
+        result = {"models": []}
+        for hidden, layers in args.random_model:
+            sized, random_head = random_model(lm, hidden, layers)
+            n = sum(p.numel() for p in sized.model.parameters())
+            print(f"random Llama, hidden {hidden}, {layers} layers: {n / 1e6:.1f}M parameters, random head")
+            run = bench_t3(sized, forget, retain, random_head, repeats=args.repeats, training=False, settings=settings)
+            _print_bench_decode(run["decode"])
+            result["models"].append({"hidden": hidden, "layers": layers, "parameters": n, **run})
+    else:
+        asu_model = None
+        if args.asu:  # decode the same base with the adapter attached (a copy, so the no-adapter runs stay plain)
+            import copy
 
-        from heads.asu import attach, load_asu
+            from heads.asu import attach, load_asu
 
-        tensors, info = load_asu(args.asu, lm.fingerprint)
-        asu_model = attach(copy.deepcopy(lm.model), "asu_bench", tensors, info)
-    result = bench_t3(lm, forget, retain, head, repeats=args.repeats, training=not args.random_model,
-                      asu_model=asu_model)
-    for row in result["decode"]:
-        print(f"decode batch {row['batch']}: T3 / no head = {row['t3_over_no_head']:.3f}x, "
-              f"Lethe speed / model.generate = {row['lethe_speedup_over_hf_generate']:.3f}x "
-              f"(no head {row['no_head_s']:.3f} s, T3 {row['t3_s']:.3f} s, generate {row['hf_generate_s']:.3f} s, "
-              f"{row['new_tokens']} tokens)")
-        if "asu_over_no_head" in row:
-            print(f"decode batch {row['batch']}: ASU / no adapter = {row['asu_over_no_head']:.3f}x, "
-                  f"ASU + T3 = {row['asu_t3_over_no_head']:.3f}x, "
-                  f"half ASU rows, half base rows = {row['asu_mixed_with_base_over_no_head']:.3f}x")
+            tensors, info = load_asu(args.asu, lm.fingerprint)
+            asu_model = attach(copy.deepcopy(lm.model), "asu_bench", tensors, info)
+        result = bench_t3(lm, forget, retain, head, repeats=args.repeats, asu_model=asu_model, settings=settings)
+        _print_bench_decode(result["decode"])
     t = result.get("training")
     if t:
         print(f"training on {t['records']} records: Lethe cache {t['cache_s']:.2f} s + fit {t['fit_s']:.2f} s "
@@ -268,6 +266,32 @@ def cmd_bench_t3(args) -> int:
 
         atomic_write_text(args.out, json.dumps(result, indent=2))
     return 0
+
+
+def _model_size(text: str) -> tuple[int, int]:
+    """`HIDDEN,LAYERS` for `bench t3 --random-model`: two positive integers, hidden a multiple of 64 or below it."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected HIDDEN,LAYERS (two positive integers, e.g. 1024,8), got {text!r}")
+    hidden, layers = (int(p) for p in parts)
+    if hidden > 64 and hidden % 64:
+        raise argparse.ArgumentTypeError(f"HIDDEN must be a multiple of 64 above 64 (heads of 64), got {hidden}")
+    return hidden, layers
+
+
+def _print_bench_decode(rows: list[dict]) -> None:
+    for row in rows:
+        print(f"decode batch {row['batch']}: T3 / no head = {row['t3_over_no_head']:.3f}x "
+              f"(+{row['t3_ms_per_token']:.3f} ms per step of {row['no_head_ms_per_token']:.3f} ms; controls: "
+              f"pass-through guide {row['passthrough_guide_over_no_head']:.3f}x, "
+              f"minimal head {row['minimal_head_over_no_head']:.3f}x), "
+              f"Lethe speed / model.generate = {row['lethe_speedup_over_hf_generate']:.3f}x "
+              f"(no head {row['no_head_s']:.3f} s, T3 {row['t3_s']:.3f} s, generate {row['hf_generate_s']:.3f} s, "
+              f"{row['new_tokens']} tokens)")
+        if "asu_over_no_head" in row:
+            print(f"decode batch {row['batch']}: ASU / no adapter = {row['asu_over_no_head']:.3f}x, "
+                  f"ASU + T3 = {row['asu_t3_over_no_head']:.3f}x, "
+                  f"half ASU rows, half base rows = {row['asu_mixed_with_base_over_no_head']:.3f}x")
 
 
 def _table_run(args, header, row, make_rows) -> list:
@@ -576,9 +600,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_args(p)
     p.add_argument("--forget", type=Path, required=True)
     p.add_argument("--retain", type=Path, required=True)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--random-model", metavar="HIDDEN,LAYERS",
-                   help="decode with a randomly initialised Llama of this size (same tokenizer) instead")
+    p.add_argument("--repeats", type=int, default=15, help="runs of each variant, alternating; the median is kept")
+    p.add_argument("--random-model", metavar="HIDDEN,LAYERS", nargs="+", type=_model_size,
+                   help="decode with randomly initialised Llamas of these sizes (same tokenizer) instead, one after "
+                        "the other: how the head's fixed per-step cost compares with models of each size")
     p.add_argument("--out", type=Path, help="JSON results")
     p.set_defaults(func=cmd_bench_t3)
 

@@ -1,6 +1,9 @@
 """`lethe bench t3`: speed of T3, measured side by side in one run, reported as ratios.
 
-* decoding with a head vs the same loop without one, at batch 1 and batch 8;
+* decoding with a head vs the same loop without one, at batch 1 and batch 8, beside two controls:
+  a guide that returns the logits unchanged (the loop's cost of calling a guide at all), and the
+  least any head must do per step (top-k candidates, the head's projection at them, the scatter
+  back), which bounds how cheap a head can be on a given model;
 * Lethe's greedy loop vs transformers' `model.generate` on the same prompts and token counts;
 * caching + fitting a head vs one epoch of the reference's training (a full base forward over
   every record each epoch, 100 epochs by default).
@@ -37,14 +40,14 @@ def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[st
 
 
 def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, repeats: int = 5,
-                 asu_model=None) -> list[dict]:
+                 asu_model=None, settings: TiltSettings | None = None) -> list[dict]:
     """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8.
 
     With `asu_model` (the same base with an adapter `asu_bench` attached), also with the ASU adapter, alone
     and with the head, and a batch mixing adapter and base rows."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    guide = HeadGuide.uniform(head, TiltSettings())
+    guide = HeadGuide.uniform(head, settings or TiltSettings())
     rows = []
     for batch in (1, 8):
         ps = (prompts * batch)[:batch]
@@ -57,7 +60,9 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
 
         variants = {"no_head": lambda: generate(model, tok, ps, params),
                     "t3": lambda: generate(model, tok, ps, params, guide),
-                    "hf_generate": hf}
+                    "hf_generate": hf,
+                    "passthrough_guide": lambda: generate(model, tok, ps, params, _PassThrough()),
+                    "minimal_head": lambda: generate(model, tok, ps, params, _MinimalHead(head))}
         if asu_model is not None:
             names = ["asu_bench"] * batch
             mixed = ["asu_bench" if i % 2 == 0 else "__base__" for i in range(batch)]
@@ -67,12 +72,38 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
         t = _median_times(variants, repeats)
         row = {"batch": batch, "new_tokens": new_tokens, **{f"{k}_s": round(v, 4) for k, v in t.items()},
                "t3_over_no_head": round(t["t3"] / t["no_head"], 3),
-               "lethe_speedup_over_hf_generate": round(t["hf_generate"] / t["no_head"], 3)}
+               "lethe_speedup_over_hf_generate": round(t["hf_generate"] / t["no_head"], 3),
+               "passthrough_guide_over_no_head": round(t["passthrough_guide"] / t["no_head"], 3),
+               "minimal_head_over_no_head": round(t["minimal_head"] / t["no_head"], 3),
+               "t3_ms_per_token": round((t["t3"] - t["no_head"]) / new_tokens * 1e3, 3),
+               "no_head_ms_per_token": round(t["no_head"] / new_tokens * 1e3, 3)}
         for k in ("asu", "asu_t3", "asu_mixed_with_base"):
             if k in t:
                 row[f"{k}_over_no_head"] = round(t[k] / t["no_head"], 3)
         rows.append(row)
     return rows
+
+
+class _PassThrough:
+    """Control: a guide that changes nothing, so the loop pays only for calling one."""
+
+    rows, same = [], None
+
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class _MinimalHead(_PassThrough):
+    """Control: the least a head must do per step (top-20 candidates, the head's logits there, a scatter
+    back over the vocabulary), without T3's tilt, gate or cap. Not a usable guide: a lower bound."""
+
+    def __init__(self, head: T3Head):
+        self.head = head
+
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        values, ids = logits.topk(20, dim=-1)
+        _, z = self.head.decode_terms(pooled, ids)
+        return torch.full_like(logits, float("-inf")).scatter_(-1, ids, values + z)
 
 
 def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100) -> dict:
@@ -103,10 +134,11 @@ def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100
             "reference_over_lethe": round(epoch * epochs / ours, 1)}
 
 
-def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 5,
-             training: bool = True, asu_model=None) -> dict:
+def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 15,
+             training: bool = True, asu_model=None, settings: TiltSettings | None = None) -> dict:
+    """Decoding with `head` (under `settings`, default: the default profile) and training, side by side."""
     prompts = [question_prompt(r["question"]) for r in (forget + retain)[::97][:8]]
-    out = {"decode": bench_decode(lm, head, prompts, repeats=repeats, asu_model=asu_model)}
+    out = {"decode": bench_decode(lm, head, prompts, repeats=repeats, asu_model=asu_model, settings=settings)}
     if training:
         out["training"] = bench_training(lm, forget, retain)
     return out

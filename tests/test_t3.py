@@ -174,3 +174,25 @@ def test_cli_train_generate_and_eval_offline(tiny_model_dir, split, tmp_path):
         assert r["forget"][key] is not None
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["generate", "--model", str(tiny_model_dir), "--T", "2", "hello"]) == 1, "--T without --head"
+
+
+def test_cli_bench_t3_reports_every_ratio_for_the_model_and_for_a_size_sweep(tiny_model_dir, split, tmp_path):
+    forget, retain = split
+    for name, recs in (("forget", forget), ("retain", retain)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    common = ["--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+              "--retain", str(tmp_path / "retain.jsonl"), "--repeats", "1"]
+    assert main(["bench", "t3", *common, "--out", str(tmp_path / "b.json")]) == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    ratios = ("t3_over_no_head", "lethe_speedup_over_hf_generate", "passthrough_guide_over_no_head",
+              "minimal_head_over_no_head")
+    assert [row["batch"] for row in result["decode"]] == [1, 8]
+    assert all(row[k] > 0 for row in result["decode"] for k in ratios)
+    assert result["training"]["records"] == len(forget) + len(retain) and result["training"]["reference_over_lethe"] > 0
+    assert main(["bench", "t3", *common, "--random-model", "32,1", "64,2", "--out", str(tmp_path / "s.json")]) == 0
+    models = json.loads((tmp_path / "s.json").read_text())["models"]
+    assert [(m["hidden"], m["layers"]) for m in models] == [(32, 1), (64, 2)]
+    assert models[0]["parameters"] < models[1]["parameters"] and all(len(m["decode"]) == 2 for m in models)
+    with pytest.raises(SystemExit) as usage:  # a size needs HIDDEN,LAYERS: bad usage, exit code 2
+        main(["bench", "t3", *common, "--random-model", "64"])
+    assert usage.value.code == 2
