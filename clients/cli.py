@@ -282,9 +282,9 @@ def _model_size(text: str) -> tuple[int, int]:
 def _print_bench_decode(rows: list[dict]) -> None:
     for row in rows:
         print(f"decode batch {row['batch']}: T3 / no head = {row['t3_over_no_head']:.3f}x "
-              f"(+{row['t3_ms_per_token']:.3f} ms per step of {row['no_head_ms_per_token']:.3f} ms; controls: "
-              f"pass-through guide {row['passthrough_guide_over_no_head']:.3f}x, "
-              f"minimal head {row['minimal_head_over_no_head']:.3f}x), "
+              f"(+{row['t3_ms_per_token']:.3f} ms per step of {row['no_head_ms_per_token']:.3f} ms; "
+              f"as tensor operations {row['t3_tensor_ops_over_no_head']:.3f}x; "
+              f"control, a pass-through guide: {row['passthrough_guide_over_no_head']:.3f}x), "
               f"Lethe speed / model.generate = {row['lethe_speedup_over_hf_generate']:.3f}x "
               f"(no head {row['no_head_s']:.3f} s, T3 {row['t3_s']:.3f} s, generate {row['hf_generate_s']:.3f} s, "
               f"{row['new_tokens']} tokens)")
@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_args(p)
     p.add_argument("--forget", type=Path, required=True)
     p.add_argument("--retain", type=Path, required=True)
-    p.add_argument("--repeats", type=int, default=15, help="runs of each variant, alternating; the median is kept")
+    p.add_argument("--repeats", type=int, default=21, help="rounds: one run of each variant per round")
     p.add_argument("--random-model", metavar="HIDDEN,LAYERS", nargs="+", type=_model_size,
                    help="decode with randomly initialised Llamas of these sizes (same tokenizer) instead, one after "
                         "the other: how the head's fixed per-step cost compares with models of each size")

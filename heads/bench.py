@@ -1,15 +1,15 @@
 """`lethe bench t3`: speed of T3, measured side by side in one run, reported as ratios.
 
-* decoding with a head vs the same loop without one, at batch 1 and batch 8, beside two controls:
-  a guide that returns the logits unchanged (the loop's cost of calling a guide at all), and the
-  least any head must do per step (top-k candidates, the head's projection at them, the scatter
-  back), which bounds how cheap a head can be on a given model;
+* decoding with a head vs the same loop without one, at batch 1 and batch 8, beside a control (a
+  guide that returns the logits unchanged: the loop's cost of calling a guide at all, and a gauge
+  of the machine's noise) and the head's step as tensor operations instead of the CPU kernel of
+  `heads.fused`;
 * Lethe's greedy loop vs transformers' `model.generate` on the same prompts and token counts;
 * caching + fitting a head vs one epoch of the reference's training (a full base forward over
   every record each epoch, 100 epochs by default).
 
-Each measurement is repeated and the median kept; the variants alternate, so a slow moment of the
-machine hits them alike.
+The variants alternate, one run of each per round; a ratio is the median over rounds of the ratio
+of two runs of the same round, so a slow moment of the machine cancels out of it.
 """
 
 from __future__ import annotations
@@ -29,14 +29,21 @@ from heads.sampling import SamplingParams
 from heads.train import FitConfig, fit_head
 
 
-def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def _timed_runs(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each run of each variant; the variants alternate, one run of each per round."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def _paired_ratio(runs: dict[str, list[float]], name: str, base: str) -> float:
+    """Median over rounds of run(name) / run(base) from the same round: a slow moment of the machine
+    hits both runs of a round, so it cancels out of their ratio."""
+    return round(statistics.median(a / b for a, b in zip(runs[name], runs[base])), 3)
 
 
 def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, repeats: int = 5,
@@ -48,6 +55,7 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     guide = HeadGuide.uniform(head, settings or TiltSettings())
+    tensor_ops = HeadGuide.uniform(head, settings or TiltSettings(), fused=False)
     rows = []
     for batch in (1, 8):
         ps = (prompts * batch)[:batch]
@@ -62,24 +70,25 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
                     "t3": lambda: generate(model, tok, ps, params, guide),
                     "hf_generate": hf,
                     "passthrough_guide": lambda: generate(model, tok, ps, params, _PassThrough()),
-                    "minimal_head": lambda: generate(model, tok, ps, params, _MinimalHead(head))}
+                    "t3_tensor_ops": lambda: generate(model, tok, ps, params, tensor_ops)}
         if asu_model is not None:
             names = ["asu_bench"] * batch
             mixed = ["asu_bench" if i % 2 == 0 else "__base__" for i in range(batch)]
             variants |= {"asu": lambda: generate(asu_model, tok, ps, params, adapters=names),
                          "asu_t3": lambda: generate(asu_model, tok, ps, params, guide, adapters=names),
                          "asu_mixed_with_base": lambda: generate(asu_model, tok, ps, params, adapters=mixed)}
-        t = _median_times(variants, repeats)
+        runs = _timed_runs(variants, repeats)
+        t = {k: statistics.median(v) for k, v in runs.items()}
         row = {"batch": batch, "new_tokens": new_tokens, **{f"{k}_s": round(v, 4) for k, v in t.items()},
-               "t3_over_no_head": round(t["t3"] / t["no_head"], 3),
-               "lethe_speedup_over_hf_generate": round(t["hf_generate"] / t["no_head"], 3),
-               "passthrough_guide_over_no_head": round(t["passthrough_guide"] / t["no_head"], 3),
-               "minimal_head_over_no_head": round(t["minimal_head"] / t["no_head"], 3),
+               "t3_over_no_head": _paired_ratio(runs, "t3", "no_head"),
+               "lethe_speedup_over_hf_generate": _paired_ratio(runs, "hf_generate", "no_head"),
+               "passthrough_guide_over_no_head": _paired_ratio(runs, "passthrough_guide", "no_head"),
+               "t3_tensor_ops_over_no_head": _paired_ratio(runs, "t3_tensor_ops", "no_head"),
                "t3_ms_per_token": round((t["t3"] - t["no_head"]) / new_tokens * 1e3, 3),
                "no_head_ms_per_token": round(t["no_head"] / new_tokens * 1e3, 3)}
         for k in ("asu", "asu_t3", "asu_mixed_with_base"):
-            if k in t:
-                row[f"{k}_over_no_head"] = round(t[k] / t["no_head"], 3)
+            if k in runs:
+                row[f"{k}_over_no_head"] = _paired_ratio(runs, k, "no_head")
         rows.append(row)
     return rows
 
@@ -91,19 +100,6 @@ class _PassThrough:
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         return logits
-
-
-class _MinimalHead(_PassThrough):
-    """Control: the least a head must do per step (top-20 candidates, the head's logits there, a scatter
-    back over the vocabulary), without T3's tilt, gate or cap. Not a usable guide: a lower bound."""
-
-    def __init__(self, head: T3Head):
-        self.head = head
-
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        values, ids = logits.topk(20, dim=-1)
-        _, z = self.head.decode_terms(pooled, ids)
-        return torch.full_like(logits, float("-inf")).scatter_(-1, ids, values + z)
 
 
 def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100) -> dict:
@@ -134,7 +130,7 @@ def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100
             "reference_over_lethe": round(epoch * epochs / ours, 1)}
 
 
-def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 15,
+def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 21,
              training: bool = True, asu_model=None, settings: TiltSettings | None = None) -> dict:
     """Decoding with `head` (under `settings`, default: the default profile) and training, side by side."""
     prompts = [question_prompt(r["question"]) for r in (forget + retain)[::97][:8]]

@@ -107,8 +107,9 @@ class Batch:
         self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
         self.cache = DynamicCache(config=model.config)
         with torch.inference_mode(), self._adapters():
-            last, self.pooled_sum, self.count = prefill(model, input_ids, self.attention_mask, self.cache)
-        self.positions = self.count - 1
+            last, self.pooled_sum, count = prefill(model, input_ids, self.attention_mask, self.cache)
+        self.positions = count - 1
+        self.count = count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
         self._last_hidden = last
 
     def _adapters(self):
@@ -124,7 +125,7 @@ class Batch:
 
     def pooled(self) -> torch.Tensor:
         """Running mean of the final hidden states over every position so far, prompt included: (B, d)."""
-        return self.pooled_sum / self.count[:, None].to(self.pooled_sum.dtype)
+        return self.pooled_sum / self.count
 
     @torch.inference_mode()
     def step(self) -> list[int | None]:
@@ -201,7 +202,8 @@ class Batch:
 
             mine = self.guide.rows if self.guide is not None else [None] * (len(self.rows) - len(other.rows))
             theirs = other.guide.rows if other.guide is not None else [None] * len(other.rows)
-            self.guide = HeadGuide(list(mine) + list(theirs))
+            fused = getattr(self.guide, "fused", None) if self.guide is not None else getattr(other.guide, "fused", None)
+            self.guide = HeadGuide(list(mine) + list(theirs), fused)
 
     def compact(self) -> list[int]:
         """Drop finished rows (and padding no row needs any more); returns the indices of the rows kept."""
@@ -224,7 +226,7 @@ class Batch:
         if self.guide is not None:
             from heads.guide import HeadGuide
 
-            self.guide = HeadGuide([self.guide.rows[i] for i in keep])
+            self.guide = HeadGuide([self.guide.rows[i] for i in keep], getattr(self.guide, "fused", None))
         return keep
 
     def completions(self) -> list[Completion]:

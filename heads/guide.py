@@ -65,18 +65,23 @@ class HeadGuide:
     """A `Guide` for a batch whose rows may each carry a different head and settings (or none).
 
     The per-group tensors (row indices, T, lam, k, gate switch) are built once, not at every step.
+    `fused`: on the CPU, run each group's step as one compiled kernel (`heads.fused`); None: unless
+    LETHE_FUSED_TILT=0. False keeps the tensor operations (for comparison, and on other devices anyway).
     """
 
-    def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None]):
+    def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None], fused: bool | None = None):
+        from heads.fused import enabled
+
         self.rows = rows
+        self.fused = enabled() if fused is None else fused
         self.same: tuple[T3Head, TiltSettings] | None = None
         self._groups: list[tuple] | None = None
         self._size = len(rows)
 
     @classmethod
-    def uniform(cls, head: T3Head, settings: TiltSettings) -> "HeadGuide":
+    def uniform(cls, head: T3Head, settings: TiltSettings, fused: bool | None = None) -> "HeadGuide":
         """One head and settings for every row, whatever the batch size."""
-        guide = cls([])
+        guide = cls([], fused)
         guide.same = (head, settings)
         return guide
 
@@ -86,7 +91,7 @@ class HeadGuide:
         for i, row in enumerate(rows):
             if row is not None:
                 by_head.setdefault(id(row[0]), (row[0], []))[1].append(i)
-        return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device)
+        return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device, self.fused)
                 for head, idx in by_head.values()]
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -122,9 +127,11 @@ class _Group:
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
     dense: tuple | None  # (T, lam, k, cap, gate switch) as (B,) vectors for `tilt`, when k == 0
+    fused: tuple | None = None  # (`heads.fused.tilt_step`, weights, probe, settings), on the CPU
 
     @classmethod
-    def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device) -> "_Group":
+    def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
+              fused: bool) -> "_Group":
         def column(values, dtype=torch.float32):
             return torch.tensor(values, device=device, dtype=dtype)[:, None]
 
@@ -146,12 +153,22 @@ class _Group:
         cap = None
         if any(s.cap is not None for s in settings):
             cap = column([float("-inf") if s.cap is None else s.cap for s in settings])
-        return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, gated, any_gated, None)
+        kernel = None
+        if fused and torch.device(device).type == "cpu":
+            from heads import fused as fused_kernel
+
+            kernel = (fused_kernel.tilt_step, fused_kernel.kernel_weights(head), head.probe is not None,
+                      fused_kernel.settings_matrix(wanted, [s.T for s in settings], [s.lam for s in settings],
+                                                   [s.gate for s in settings], [s.cap for s in settings]))
+        return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, gated, any_gated, None, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates."""
         if self.dense is not None:
             return self._dense(logits, pooled)
+        if self.fused is not None:
+            tilt_step, weights, probe, settings = self.fused
+            return tilt_step(logits, pooled, weights, probe, self.k, settings)
         values, ids = candidates_of(logits, self.k, self.keep)
         forget_p, z = self.head.decode_terms(pooled, ids)
         gate = forget_p if self.any_gated else None

@@ -185,7 +185,7 @@ def test_cli_bench_t3_reports_every_ratio_for_the_model_and_for_a_size_sweep(tin
     assert main(["bench", "t3", *common, "--out", str(tmp_path / "b.json")]) == 0
     result = json.loads((tmp_path / "b.json").read_text())
     ratios = ("t3_over_no_head", "lethe_speedup_over_hf_generate", "passthrough_guide_over_no_head",
-              "minimal_head_over_no_head")
+              "t3_tensor_ops_over_no_head")
     assert [row["batch"] for row in result["decode"]] == [1, 8]
     assert all(row[k] > 0 for row in result["decode"] for k in ratios)
     assert result["training"]["records"] == len(forget) + len(retain) and result["training"]["reference_over_lethe"] > 0

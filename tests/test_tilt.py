@@ -117,8 +117,9 @@ def test_cap_leaves_a_row_whose_candidates_are_all_flagged_unchanged():
     torch.testing.assert_close(scores, values)
 
 
+@pytest.mark.parametrize("fused", [True, False])  # the CPU kernel, and the tensor operations
 @pytest.mark.parametrize("rows", [4, 5])  # 4: the candidate path; 5: a row over the whole vocabulary joins
-def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows):
+def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fused):
     from heads.guide import HeadGuide, TiltSettings
     from heads.head import T3Head
 
@@ -131,7 +132,7 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows):
     settings = settings[:rows]
     logits, pooled = torch.randn(rows, 70) * 3, torch.randn(rows, 16)
     with torch.inference_mode():
-        got = HeadGuide([(head, s) for s in settings])(logits, pooled)
+        got = HeadGuide([(head, s) for s in settings], fused=fused)(logits, pooled)
         for i, s in enumerate(settings):
             one = lambda v: torch.tensor([float(v)])  # noqa: E731
             gate = head.forget_probability(pooled[i:i + 1]) if s.gate else None
@@ -139,3 +140,36 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows):
                         torch.tensor([s.candidates]), None if s.cap is None else one(s.cap))
             assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), i
             torch.testing.assert_close(torch.softmax(got[i], -1), torch.softmax(want[0], -1))
+
+
+@pytest.mark.parametrize("probe,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("batch", [1, 6])
+def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
+    from heads.guide import HeadGuide, TiltSettings
+    from heads.head import T3Head
+
+    torch.manual_seed(batch)
+    head = T3Head(24, 90, 5, bias=bias, probe=probe).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.up.weight, std=3.0)
+    if bias:
+        torch.nn.init.normal_(head.up.bias)
+    if probe:
+        torch.nn.init.normal_(head.probe.weight, std=0.5)
+    choices = [TiltSettings(), TiltSettings(T=2.5, lam=2.0, candidates=7), TiltSettings(gate=False, cap=None),
+               TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1)]
+    rows = [(head, choices[i % len(choices)]) for i in range(batch)]
+    logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
+    with torch.inference_mode():
+        kernel = HeadGuide(rows, fused=True)(logits, pooled)
+        tensor_ops = HeadGuide(rows, fused=False)(logits, pooled)
+    assert torch.equal(torch.isfinite(kernel), torch.isfinite(tensor_ops))
+    torch.testing.assert_close(torch.softmax(kernel, -1), torch.softmax(tensor_ops, -1), atol=1e-5, rtol=1e-4)
+    assert torch.equal(kernel.argmax(-1), tensor_ops.argmax(-1))
+
+
+def test_the_cpu_kernel_can_be_turned_off(monkeypatch):
+    from heads.guide import HeadGuide
+
+    assert HeadGuide([]).fused
+    monkeypatch.setenv("LETHE_FUSED_TILT", "0")
+    assert not HeadGuide([]).fused

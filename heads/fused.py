@@ -1,0 +1,135 @@
+"""The head's decoding step on the CPU as one compiled kernel (numba).
+
+Per row: the base model's k likeliest tokens, the head's down projection and
+probe on the pooled state, the head's logits at the candidates, then
+`heads.tilt.tilt_candidates` (gate, tempering, tilt, cap), written over the
+vocabulary (-inf outside the candidates). The same computation as
+`HeadGuide`'s tensor operations, in one call instead of about twenty: on a small
+model each tensor operation costs microseconds of dispatch, which on the 3.6M
+demo model made the head cost more than the 5% of a decoding step it may.
+
+Used for CPU tensors; other devices keep the tensor operations. Set
+LETHE_FUSED_TILT=0 to use the tensor operations on the CPU as well. The kernel is
+compiled on first use (about a second) and cached on disk by numba.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+# Columns of the per-row settings matrix a group builds once per batch.
+K, T, LAM, GATE, CAP = range(5)
+
+
+def enabled() -> bool:
+    return os.environ.get("LETHE_FUSED_TILT", "1") != "0"
+
+
+def settings_matrix(candidates: list[int], T_: list[float], lam: list[float], gate: list[bool],
+                    cap: list[float | None]) -> np.ndarray:
+    """(B, 5) float32: each row's number of candidates, T, lam, gate switch, cap (NaN: off)."""
+    rows = [(k, t, l_, float(g), np.nan if c is None else c) for k, t, l_, g, c in zip(candidates, T_, lam, gate, cap)]
+    return np.asarray(rows, dtype=np.float32).reshape(len(rows), 5)
+
+
+def kernel_weights(head) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The head's decoding weights as float32 arrays: down (r+1 or r, d), bias, up (V, r+1 or r), up bias (V,)."""
+    down, bias, up, up_bias = head._decoding_weights()
+    as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
+    ub = np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0])
+    return as_np(down.T), as_np(bias), as_np(up), ub
+
+
+def tilt_step(logits: torch.Tensor, pooled: torch.Tensor, weights: tuple, probe: bool, k: int,
+              settings: np.ndarray) -> torch.Tensor:
+    """(B, V) float32 logits and (B, d) pooled states on the CPU -> (B, V) tilted scores, -inf off-candidates."""
+    out = torch.empty(logits.shape, dtype=torch.float32)
+    kernel = _compiled or _kernel()
+    kernel(logits.float().contiguous().numpy(), pooled.float().contiguous().numpy(), *weights, probe, k, settings,
+           out.numpy())
+    return out
+
+
+def warm_up() -> None:
+    """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
+    f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    (_compiled or _kernel())(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 5), f32(0, 1))
+
+
+_compiled = None
+
+
+def _kernel():
+    global _compiled
+    if _compiled is None:
+        from numba import njit
+
+        # reassociation lets the dot products use vector instructions; infinities and NaN keep their meaning
+        _compiled = njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})(_tilt_rows)
+    return _compiled
+
+
+def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out):  # pragma: no cover - compiled
+    B, V = logits.shape
+    R, d = down.shape
+    r = R - 1 if probe else R
+    vals = np.empty(k, np.float32)
+    ids = np.empty(k, np.int64)
+    z = np.empty(k, np.float32)
+    scores = np.empty(k, np.float32)
+    h = np.empty(R, np.float32)
+    for b in range(B):
+        # the k likeliest tokens, best first (insertion into a sorted buffer; ties keep the lower id first)
+        n = 0
+        for v in range(V):
+            x = logits[b, v]
+            if n < k:
+                i = n
+                n += 1
+            elif x > vals[k - 1]:
+                i = k - 1
+            else:
+                continue
+            while i > 0 and vals[i - 1] < x:
+                vals[i] = vals[i - 1]
+                ids[i] = ids[i - 1]
+                i -= 1
+            vals[i] = x
+            ids[i] = v
+        # down projection and (negated) probe: h = down @ pooled + bias
+        for c in range(R):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += down[c, j] * pooled[b, j]
+            h[c] = acc + bias[c]
+        kb = int(settings[b, 0])
+        g = 1.0
+        if probe and settings[b, 3] > 0:
+            g = 1.0 / (1.0 + math.exp(-h[r]))  # P(forget | context)
+        temp = 1.0 + (settings[b, 1] - 1.0) * g
+        lam = settings[b, 2] * g
+        active = g > 0.5
+        best_free = -np.inf
+        for i in range(kb):
+            zi = up_bias[ids[i]]
+            for c in range(r):
+                zi += up[ids[i], c] * h[c]
+            z[i] = zi
+            log_sig = -math.log1p(math.exp(-zi)) if zi >= 0 else zi - math.log1p(math.exp(zi))
+            scores[i] = vals[i] / temp + lam * log_sig
+            if not (zi < 0 and active) and scores[i] > best_free:
+                best_free = scores[i]
+        for v in range(V):
+            out[b, v] = -np.inf
+        cap = settings[b, 4]
+        capped = not math.isnan(cap) and best_free > -np.inf
+        limit = best_free - cap
+        for i in range(kb):
+            s = scores[i]
+            if capped and z[i] < 0 and active and s > limit:
+                s = limit
+            out[b, ids[i]] = s
