@@ -24,7 +24,9 @@ from heads.sampling import SamplingParams, make_generator, sample
 
 
 class Guide(Protocol):
-    """Rewrites a batch's next-token logits, given each row's pooled hidden state."""
+    """Rewrites a batch's next-token logits, given each row's pooled hidden state.
+
+    The result may live in a buffer the guide reuses: it is valid until the guide's next call."""
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor: ...
 

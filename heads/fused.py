@@ -21,37 +21,47 @@ import os
 import numpy as np
 import torch
 
-# Columns of the per-row settings matrix a group builds once per batch.
-K, T, LAM, GATE, CAP = range(5)
-
-
 def enabled() -> bool:
     return os.environ.get("LETHE_FUSED_TILT", "1") != "0"
 
 
-def settings_matrix(candidates: list[int], T_: list[float], lam: list[float], gate: list[bool],
-                    cap: list[float | None]) -> np.ndarray:
-    """(B, 5) float32: each row's number of candidates, T, lam, gate switch, cap (NaN: off)."""
-    rows = [(k, t, l_, float(g), np.nan if c is None else c) for k, t, l_, g, c in zip(candidates, T_, lam, gate, cap)]
-    return np.asarray(rows, dtype=np.float32).reshape(len(rows), 5)
+class TiltKernel:
+    """One head's decoding step for a group of rows with fixed settings, built once per batch.
+
+    Called with (B, V) logits and (B, d) pooled states on the CPU, it returns (B, V) tilted scores,
+    -inf off the candidates, in a buffer it reuses: the result is valid until the next call (the
+    decode loop samples from it at once). Reusing it keeps the step from allocating, and freeing,
+    B x V floats every token, which slowed the next forward pass measurably on a small model.
+    """
+
+    def __init__(self, head, k: int, candidates: list[int], T: list[float], lam: list[float], gate: list[bool],
+                 cap: list[float | None]):
+        down, bias, up, up_bias = head._decoding_weights()
+        as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
+        self.weights = (as_np(down.T), as_np(bias), as_np(up),
+                        np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
+        self.probe, self.k = head.probe is not None, k
+        # per row: number of candidates, T, lam, gate switch, cap (NaN: off)
+        self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c)
+                                    for n, t, l_, g, c in zip(candidates, T, lam, gate, cap)],
+                                   dtype=np.float32).reshape(len(candidates), 5)
+        self._out: torch.Tensor | None = None
+        self._out_np: np.ndarray | None = None
+
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        if self._out is None or self._out.shape != logits.shape:
+            self._out = torch.empty(logits.shape, dtype=torch.float32)
+            self._out_np = self._out.numpy()
+        (_compiled or _kernel())(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
+                                 self._out_np)
+        return self._out
 
 
-def kernel_weights(head) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The head's decoding weights as float32 arrays: down (r+1 or r, d), bias, up (V, r+1 or r), up bias (V,)."""
-    down, bias, up, up_bias = head._decoding_weights()
-    as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
-    ub = np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0])
-    return as_np(down.T), as_np(bias), as_np(up), ub
-
-
-def tilt_step(logits: torch.Tensor, pooled: torch.Tensor, weights: tuple, probe: bool, k: int,
-              settings: np.ndarray) -> torch.Tensor:
-    """(B, V) float32 logits and (B, d) pooled states on the CPU -> (B, V) tilted scores, -inf off-candidates."""
-    out = torch.empty(logits.shape, dtype=torch.float32)
-    kernel = _compiled or _kernel()
-    kernel(logits.float().contiguous().numpy(), pooled.float().contiguous().numpy(), *weights, probe, k, settings,
-           out.numpy())
-    return out
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A float32, C-contiguous view (a copy only when the tensor is not one already)."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.float().contiguous()
+    return t.numpy()
 
 
 def warm_up() -> None:

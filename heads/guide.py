@@ -9,6 +9,7 @@ a row turns candidates off). Rows without a head keep the model's logits untouch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -127,7 +128,7 @@ class _Group:
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
     dense: tuple | None  # (T, lam, k, cap, gate switch) as (B,) vectors for `tilt`, when k == 0
-    fused: tuple | None = None  # (`heads.fused.tilt_step`, weights, probe, settings), on the CPU
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.fused.TiltKernel`, CPU
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
@@ -155,11 +156,10 @@ class _Group:
             cap = column([float("-inf") if s.cap is None else s.cap for s in settings])
         kernel = None
         if fused and torch.device(device).type == "cpu":
-            from heads import fused as fused_kernel
+            from heads.fused import TiltKernel
 
-            kernel = (fused_kernel.tilt_step, fused_kernel.kernel_weights(head), head.probe is not None,
-                      fused_kernel.settings_matrix(wanted, [s.T for s in settings], [s.lam for s in settings],
-                                                   [s.gate for s in settings], [s.cap for s in settings]))
+            kernel = TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
+                                [s.gate for s in settings], [s.cap for s in settings])
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, gated, any_gated, None, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -167,8 +167,7 @@ class _Group:
         if self.dense is not None:
             return self._dense(logits, pooled)
         if self.fused is not None:
-            tilt_step, weights, probe, settings = self.fused
-            return tilt_step(logits, pooled, weights, probe, self.k, settings)
+            return self.fused(logits, pooled)
         values, ids = candidates_of(logits, self.k, self.keep)
         forget_p, z = self.head.decode_terms(pooled, ids)
         gate = forget_p if self.any_gated else None
