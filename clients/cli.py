@@ -600,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_args(p)
     p.add_argument("--forget", type=Path, required=True)
     p.add_argument("--retain", type=Path, required=True)
-    p.add_argument("--repeats", type=int, default=21, help="rounds: one run of each variant per round")
+    p.add_argument("--repeats", type=int, default=41, help="rounds: one run of each variant per round")
     p.add_argument("--random-model", metavar="HIDDEN,LAYERS", nargs="+", type=_model_size,
                    help="decode with randomly initialised Llamas of these sizes (same tokenizer) instead, one after "
                         "the other: how the head's fixed per-step cost compares with models of each size")

@@ -130,7 +130,7 @@ def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100
             "reference_over_lethe": round(epoch * epochs / ours, 1)}
 
 
-def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 21,
+def bench_t3(lm, forget: list[dict], retain: list[dict], head: T3Head, repeats: int = 41,
              training: bool = True, asu_model=None, settings: TiltSettings | None = None) -> dict:
     """Decoding with `head` (under `settings`, default: the default profile) and training, side by side."""
     prompts = [question_prompt(r["question"]) for r in (forget + retain)[::97][:8]]
