@@ -9,20 +9,30 @@ model each tensor operation costs microseconds of dispatch, which on the 3.6M
 demo model made the head cost more than the 5% of a decoding step it may.
 
 Used for CPU tensors; other devices keep the tensor operations. Set
-LETHE_FUSED_TILT=0 to use the tensor operations on the CPU as well. The kernel is
-compiled on first use (about a second) and cached on disk by numba.
+LETHE_FUSED_TILT=0 to use the tensor operations on the CPU as well (they are also
+used when numba is not installed). The kernel is compiled on first use (about a
+second) and cached on disk by numba.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import os
 
 import numpy as np
 import torch
 
+
 def enabled() -> bool:
-    return os.environ.get("LETHE_FUSED_TILT", "1") != "0"
+    """Whether to use the kernel: unless LETHE_FUSED_TILT=0, or numba is not installed (tensor operations then)."""
+    return os.environ.get("LETHE_FUSED_TILT", "1") != "0" and _numba_installed()
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
 
 
 class TiltKernel:
