@@ -54,8 +54,8 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
     and with the head, and a batch mixing adapter and base rows."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    guide = HeadGuide.uniform(head, settings or TiltSettings())
-    tensor_ops = HeadGuide.uniform(head, settings or TiltSettings(), fused=False)
+    settings = settings or TiltSettings()
+    guide, tensor_ops = HeadGuide.uniform(head, settings), HeadGuide.uniform(head, settings, fused=False)
     rows = []
     for batch in (1, 8):
         ps = (prompts * batch)[:batch]

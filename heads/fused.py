@@ -48,7 +48,7 @@ class TiltKernel:
                  cap: list[float | None]):
         down, bias, up, up_bias = head._decoding_weights()
         as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
-        self.weights = (as_np(down.T), as_np(bias), as_np(up),
+        self.weights = (as_np(down), as_np(bias), as_np(up),
                         np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
         self.probe, self.k = head.probe is not None, k
         # per row: number of candidates, T, lam, gate switch, cap (NaN: off)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from heads import fused as fused_kernel
 from heads.head import T3Head
 from heads.tilt import candidates_of, tilt, tilt_candidates
 
@@ -71,10 +72,8 @@ class HeadGuide:
     """
 
     def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None], fused: bool | None = None):
-        from heads.fused import enabled
-
         self.rows = rows
-        self.fused = enabled() if fused is None else fused
+        self.fused = fused_kernel.enabled() if fused is None else fused
         self.same: tuple[T3Head, TiltSettings] | None = None
         self._groups: list[tuple] | None = None
         self._size = len(rows)
@@ -156,10 +155,8 @@ class _Group:
             cap = column([float("-inf") if s.cap is None else s.cap for s in settings])
         kernel = None
         if fused and torch.device(device).type == "cpu":
-            from heads.fused import TiltKernel
-
-            kernel = TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
-                                [s.gate for s in settings], [s.cap for s in settings])
+            kernel = fused_kernel.TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
+                                             [s.gate for s in settings], [s.cap for s in settings])
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, gated, any_gated, None, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

@@ -75,14 +75,14 @@ class T3Head(torch.nn.Module):
         (`_decoding_weights`), and only the k tokens' rows of W_up are read.
         """
         down, bias, up, up_bias = self._decoding_weights()
-        h = torch.addmm(bias, pooled.to(down.dtype), down)  # (B, r + 1): u, then the probe's "forget" logit
+        h = torch.addmm(bias, pooled.to(down.dtype), down.T)  # (B, r + 1): u, then the probe's "forget" logit
         z = torch.bmm(F.embedding(tokens, up), h.unsqueeze(-1)).squeeze(-1)  # up has a zero column for the probe
         if up_bias is not None:
             z = z + F.embedding(tokens, up_bias).squeeze(-1)
         return (h[:, self.rank:].sigmoid() if self.probe is not None else None), z
 
     def _decoding_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """W_down and the negated probe as one (d, r + 1) matrix with its bias, W_up with a zero column.
+        """W_down and the negated probe as one (r + 1, d) matrix with its bias, W_up with a zero column.
 
         Built once and rebuilt only when a weight changes in place (training), so a serving head pays nothing.
         """
@@ -96,10 +96,10 @@ class T3Head(torch.nn.Module):
             if self.probe is not None:  # the probe's logit says "retain"; negated, its sigmoid is P(forget)
                 rows.append(-self.probe.weight)
                 bias.append(-self.probe.bias)
-            down = torch.cat(rows).T.contiguous()
+            down = torch.cat(rows)
             up = torch.cat([self.up.weight, self.up.weight.new_zeros(self.up.out_features, len(rows) - 1)], 1)
             up_bias = None if self.up.bias is None else self.up.bias[:, None].clone()
-            weights = (down, torch.cat(bias), up.contiguous(), up_bias)
+            weights = (down, torch.cat(bias), up, up_bias)
         self._decoding = (versions, weights)
         return weights
 

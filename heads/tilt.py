@@ -98,8 +98,8 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     """
     active = None
     if gate is not None:
-        T = None if T is None else torch.addcmul(torch.ones_like(gate), T - 1, gate)  # 1 + (T - 1) g
-        lam, active = lam * gate, gate > 0.5
+        T, lam = (None, lam * gate) if T is None else gated(T, lam, gate)
+        active = gate > 0.5
     scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
     if cap is None:
         return scores
