@@ -84,6 +84,7 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: Exception | None = None  # why this row failed (finish_reason "error"); the other rows go on
 
 
 class Batch:
@@ -131,16 +132,25 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> list[int | None]:
-        """Choose and feed the next token of every unfinished row; returns it (None for finished rows)."""
+        """Choose and feed the next token of every unfinished row; returns it (None for finished rows).
+
+        What is per row (the guide's head and settings, sampling, detokenising) fails per row: a row that
+        raises there finishes with reason "error" and its exception in `Row.error`; the others go on."""
         logits = next_logits(self.model, self._last_hidden)
         if self.guide is not None:
-            logits = self.guide(logits, self.pooled())
-        tokens = sample(logits, self.temperature, self.top_k, self.top_p, [r.generator for r in self.rows])
+            logits = self._guided(logits)
+        failed: dict[int, Exception] = {}
+        tokens = sample(logits, self.temperature, self.top_k, self.top_p, [r.generator for r in self.rows], failed)
+        for i, error in failed.items():
+            self.fail(i, error)
         emitted: list[int | None] = []
-        for row, token in zip(self.rows, tokens.tolist()):
+        for i, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
             emitted.append(None if row.finish_reason else token)
             if row.finish_reason is None:
-                self._append(row, token)
+                try:
+                    self._append(row, token)
+                except Exception as e:
+                    self.fail(i, e)
         if not self.done:
             self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], 1)
             self.positions = self.positions + 1
@@ -150,6 +160,35 @@ class Batch:
             self.count = self.count + 1
             self._last_hidden = hidden
         return emitted
+
+    def _guided(self, logits: torch.Tensor) -> torch.Tensor:
+        """The guide's logits; if it raises, each row's own head and settings are tried alone, the rows that
+        fail are failed, and the guide goes on without them."""
+        pooled = self.pooled()
+        try:
+            return self.guide(logits, pooled)
+        except Exception:
+            rows = getattr(self.guide, "rows", None)
+            if not rows or getattr(self.guide, "same", None) is not None:
+                raise  # not per-row: nothing to isolate
+        from heads.guide import HeadGuide
+
+        rows, fused = list(rows), getattr(self.guide, "fused", None)
+        for i, row in enumerate(rows):
+            if row is not None:
+                try:
+                    HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1])
+                except Exception as e:
+                    self.fail(i, e)
+                    rows[i] = None
+        self.guide = HeadGuide(rows, fused)
+        return self.guide(logits, pooled)
+
+    def fail(self, index: int, error: Exception) -> None:
+        """Finish one row with an error; the batch goes on with the others."""
+        row = self.rows[index]
+        if row.finish_reason is None:
+            row.finish_reason, row.error = "error", error
 
     def _append(self, row: Row, token: int) -> None:
         if token in self.eos and not row.params.ignore_eos:

@@ -19,6 +19,10 @@ from heads.head import T3Head
 from heads.tilt import candidates_of, tilt, tilt_candidates
 
 
+MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares
+MAX_CANDIDATES = 100_000
+
+
 @dataclass(frozen=True)
 class TiltSettings:
     T: float = 1.0
@@ -44,13 +48,21 @@ class TiltSettings:
         unknown = set(merged) - set(asdict(TiltSettings()))
         if unknown:
             raise ValueError(f"unknown profile settings: {', '.join(sorted(unknown))}")
+        for name in ("T", "lam", "cap"):
+            value = merged[name]
+            if not (value is None and name == "cap") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name}: must be a number, got {value!r}")
+        if isinstance(merged["candidates"], bool) or not isinstance(merged["candidates"], int):
+            raise ValueError(f"candidates: must be an integer, got {merged['candidates']!r}")
+        if not isinstance(merged["gate"], bool):
+            raise ValueError(f"gate: must be true or false, got {merged['gate']!r}")
         out = TiltSettings(**merged)
-        if not (out.T > 0 and out.T <= 100):
-            raise ValueError(f"T: must be in (0, 100], got {out.T}")
+        if not (MIN_T <= out.T <= 100):
+            raise ValueError(f"T: must be in [{MIN_T}, 100], got {out.T}")
         if not (out.lam >= 0 and out.lam <= 1000):
             raise ValueError(f"lam: must be in [0, 1000], got {out.lam}")
-        if out.candidates < 0:
-            raise ValueError(f"candidates: must be >= 0, got {out.candidates}")
+        if not 0 <= out.candidates <= MAX_CANDIDATES:
+            raise ValueError(f"candidates: must be in [0, {MAX_CANDIDATES}], got {out.candidates}")
         if out.cap is not None and not (0 <= out.cap <= 100):
             raise ValueError(f"cap: must be in [0, 100] or null, got {out.cap}")
         return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -154,14 +154,39 @@ def read_lethe_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor], str
     return tensors, raw
 
 
+def parse_info(cls, raw: str, path: Path):
+    """The metadata dataclass `cls` from a file's JSON metadata: every field of the right type, no unknown
+    field (pydantic checks the types, so a list where a dict belongs is refused here, not at first use)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise HeadFileError(f"{path}: metadata is not readable JSON") from None
+    if not isinstance(data, dict):
+        raise HeadFileError(f"{path}: metadata is not a JSON object")
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise HeadFileError(f"{path}: unknown metadata fields {unknown[:5]}")
+    try:
+        return TypeAdapter(cls).validate_python(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(part) for part in err["loc"]) or "metadata"
+        raise HeadFileError(f"{path}: metadata {where}: {err['msg']}") from None
+
+
 def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None = None,
               d: int | None = None) -> tuple[T3Head, HeadInfo]:
     """Read and check a head file; `base_fingerprint`, `vocab`, `d` are what the serving model has."""
+    from heads.guide import TiltSettings
+
     tensors, raw = read_lethe_file(path, "head")
-    try:
-        info = HeadInfo(**json.loads(raw))
-    except (TypeError, json.JSONDecodeError) as e:
-        raise HeadFileError(f"{path}: unreadable metadata ({e})") from None
+    info = parse_info(HeadInfo, raw, path)
+    try:  # the recommended settings are what a profile gets by default: checked now, not at first use
+        TiltSettings.from_dict(info.profile)
+    except (TypeError, ValueError) as e:
+        raise HeadFileError(f"{path}: metadata profile: {e}") from None
     if info.format != FORMAT or info.format_version > FORMAT_VERSION:
         raise HeadFileError(f"{path}: format {info.format} v{info.format_version} is not {FORMAT} <= v{FORMAT_VERSION}")
     expected = {"down.weight": (info.rank, info.d), "up.weight": (info.vocab, info.rank)}

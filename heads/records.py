@@ -32,12 +32,24 @@ def question_prompt(question: str) -> str:
     return PROMPT_FORMAT.format(question=question)
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why `text` cannot be tokenized (a lone surrogate, which JSON's \\ud800 escapes can make), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}; not valid Unicode"
+    return None
+
+
 def _text(record: dict, key: str, line: int) -> str:
     value = record.get(key)
     if not isinstance(value, str):
         raise RecordError(line, key, "must be a string" if key in record else "is missing")
     if not value.strip():
         raise RecordError(line, key, "must not be empty")
+    problem = unicode_problem(value)
+    if problem:
+        raise RecordError(line, key, problem)
     return value
 
 
@@ -64,6 +76,8 @@ def parse_jsonl(data: str, check=to_example) -> list[dict]:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
             raise RecordError(number, "json", f"not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise RecordError(number, "json", "nested too deeply") from None
         check(record, number)
         records.append(record)
     if not records:

@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+MAX_NEW_TOKENS = 1_000_000
+MAX_TOP_K = 1_000_000
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: below this, logits / temperature overflows; decode greedily
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
@@ -21,6 +30,23 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
+    def __post_init__(self):
+        """Checked wherever they are made (HTTP, CLI, Python), so no value reaches a batch that fails it."""
+        for name, low, high in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("top_k", 0, MAX_TOP_K)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}: must be an integer in [{low}, {high}], got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed: must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        for name, ok in (("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE), ("top_p", lambda v: 0 < v <= 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"{name}: out of range, got {value!r}")
+        if self.temperature < GREEDY_BELOW:  # as vLLM: a temperature this small is greedy decoding
+            self.temperature = 0.0
+        if len(self.stop) > MAX_STOPS or any(not isinstance(s, str) or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
 
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> torch.Tensor:
@@ -44,15 +70,23 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator]) -> torch.Tensor:
-    """Next token per row: argmax where temperature is 0, else a draw from that row's own generator."""
+           generators: list[torch.Generator], failed: dict[int, Exception] | None = None) -> torch.Tensor:
+    """Next token per row: argmax where temperature is 0, else a draw from that row's own generator.
+
+    With `failed`, a row whose draw raises (probabilities that are not finite, say) is recorded there
+    (row index -> exception) instead of failing the call; the other rows are drawn as usual."""
     tokens = logits.argmax(dim=-1)
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
         probs = logits_to_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
         for j, row in enumerate(sampled):
-            tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
+            try:
+                tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
+            except RuntimeError as e:
+                if failed is None:
+                    raise
+                failed[row] = e
     return tokens
 
 

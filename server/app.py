@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -13,7 +15,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.routing import Match
+from starlette.requests import ClientDisconnect
 
 from heads.modelio import LoadedModel, load_model
 from server import openai_api, routes
@@ -45,14 +47,17 @@ class JSONByDefault:
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             ctype = dict(scope["headers"]).get(b"content-type", b"")
             if not ctype or ctype.startswith(b"application/x-www-form-urlencoded") or ctype.startswith(b"text/plain"):
-                scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+                # in place, not a copy: the access log reads the route the router records in this scope
+                scope["headers"] = headers + [(b"content-type", b"application/json")]
         await self.app(scope, receive, send)
 
 
 def _json_safe(value):
-    """Non-finite floats (from a body that held NaN or Infinity) as strings."""
+    """Non-finite floats (from a body that held NaN or Infinity) as strings, lone surrogates escaped."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     if isinstance(value, dict):
@@ -60,12 +65,86 @@ def _json_safe(value):
     return value
 
 
+UPLOAD_PATHS = ("/v1/datasets", "/v1/heads/upload", "/v1/asu/upload")
+
+
+def _plain_error(status: int, message: str, headers: list | None = None):
+    body = json.dumps({"detail": message}).encode()
+    start = {"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")] + (headers or [])}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class BoundedBody:
+    """Every request body is bounded before anything parses it, and a body that stalls is cut off.
+
+    JSON bodies (every route but the uploads) are read here up to `max_request_bytes` (413 beyond, from the
+    Content-Length alone when it is given), then handed on; uploads are bounded by their route as they stream
+    (`routes._read_upload`). Waiting more than `body_timeout` seconds for the next piece of a body answers
+    408 (uploads: the route sees the client gone)."""
+
+    def __init__(self, app, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        timeout = self.settings.body_timeout
+
+        async def timed_receive():
+            try:
+                return await asyncio.wait_for(receive(), timeout)
+            except asyncio.TimeoutError:
+                return {"type": "http.disconnect"}
+
+        if scope["path"] in UPLOAD_PATHS:
+            return await self.app(scope, timed_receive, send)
+        limit = self.settings.max_request_bytes
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            for message in _plain_error(413, f"request body of {int(length)} bytes exceeds the limit of {limit} "
+                                             f"bytes (LETHE_MAX_REQUEST_BYTES)"):
+                await send(message)
+            return
+        body, more = bytearray(), True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), timeout)
+            except asyncio.TimeoutError:
+                for message in _plain_error(408, f"the request body stalled for more than {timeout:g} s"):
+                    await send(message)
+                return
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                for message in _plain_error(413, f"request body exceeds the limit of {limit} bytes "
+                                                 f"(LETHE_MAX_REQUEST_BYTES)"):
+                    await send(message)
+                return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
 def route_path(request: Request) -> str:
-    """The route template (`/v1/heads/{head_id}`), so metrics do not grow a label per id."""
-    for route in request.app.router.routes:
-        if route.matches(request.scope)[0] == Match.FULL:
-            return getattr(route, "path", "unmatched")
-    return "unmatched"
+    """The route template (`/v1/heads/{head_id}`), so metrics do not grow a label per id.
+
+    Read after routing: the router puts the route it chose in `scope["route"]` (FastAPI's included
+    routers are not flat in `app.router.routes`, so scanning that list misses them). A request no route
+    matched (a 404 for an unknown path, or a trailing-slash redirect) is `unmatched`."""
+    route = request.scope.get("route")
+    path = getattr(route, "path_format", None) or getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
 
 
 def clean_temporary_files(store: Store) -> int:
@@ -111,18 +190,29 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
 
     app = FastAPI(title="Lethe", summary="Inference-time unlearning server", lifespan=lifespan)
     app.add_middleware(JSONByDefault)
+    app.add_middleware(BoundedBody, settings=settings)
     app.include_router(routes.router)
     app.include_router(openai_api.router)
 
     @app.middleware("http")
     async def access_log(request: Request, call_next):
         started = time.perf_counter()
-        response = await call_next(request)
-        path = route_path(request)
-        if hasattr(request.app.state, "metrics"):
-            request.app.state.metrics.requests.labels(path, str(response.status_code)).inc()
-        log.info(json.dumps({"method": request.method, "path": path, "status": response.status_code,
-                             "ms": round(1000 * (time.perf_counter() - started), 1)}))
+
+        def record(status: int) -> None:
+            seconds, path = time.perf_counter() - started, route_path(request)
+            metrics = getattr(request.app.state, "metrics", None)
+            if metrics is not None:
+                metrics.requests.labels(path, str(status)).inc()
+                metrics.request_seconds.labels(path).observe(seconds)
+            log.info(json.dumps({"method": request.method, "path": path, "status": status,
+                                 "ms": round(1000 * seconds, 1)}))
+
+        try:
+            response = await call_next(request)
+        except Exception:  # no handler answered it: the outermost middleware turns it into a 500
+            record(500)
+            raise
+        record(response.status_code)
         return response
 
     @app.exception_handler(RequestValidationError)
@@ -142,9 +232,13 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
 
     @app.get("/readyz", response_model=Ready, tags=["operations"])
     async def readyz(request: Request) -> Ready:
-        """The model's path and fingerprint, once it is loaded."""
+        """The model's name and fingerprint, once it is loaded (its path on the server is not shown)."""
         engine: Engine = request.app.state.engine
-        return Ready(model=str(engine.lm.path), fingerprint=engine.lm.fingerprint)
+        return Ready(model=Path(str(engine.lm.path)).name, fingerprint=engine.lm.fingerprint)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        return JSONResponse({"detail": "the request body ended early or stalled"}, status_code=408)
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:
@@ -156,7 +250,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         """Generate text; `profile` picks an unlearning profile (a name, `base`, or an inline spec)."""
         profile = body.profile.spec() if hasattr(body.profile, "spec") else body.profile
         params = body.sampling()
-        resolved, _ = admit(request, tenant_id, body.prompt, params, profile)
+        resolved, _ = await admit(request, tenant_id, body.prompt, params, profile)
         used = ProfileUsed(name=resolved.name, version=resolved.version)
 
         def response(c) -> GenerateResponse:

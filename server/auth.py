@@ -8,11 +8,19 @@ from fastapi import HTTPException, Request
 
 
 def bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
+    """The key the caller sent (`Authorization: Bearer <key>` or `X-API-Key`), None if none. An Authorization
+    header of any other form is 401, never anonymous: a caller who meant to send a key must learn it was not."""
+    header = request.headers.get("authorization")
+    if header is not None:
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise HTTPException(401, "malformed Authorization header: expected `Bearer <key>`",
+                                headers={"WWW-Authenticate": "Bearer"})
         return token.strip()
-    return request.headers.get("x-api-key")
+    key = request.headers.get("x-api-key")
+    if key is not None and not key.strip():
+        raise HTTPException(401, "empty X-API-Key header")
+    return key.strip() if key is not None else None
 
 
 def _caller(request: Request, anonymous_ok: bool) -> str | None:

@@ -13,9 +13,11 @@ away) stops decoding at the next step.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ class Pending:
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sent: int = 0  # characters already passed to on_text
+    submitted: float = field(default_factory=time.perf_counter)  # for the time-to-first-token metric
 
 
 class Engine:
@@ -61,10 +64,15 @@ class Engine:
         self.metrics = metrics
         self.queue: queue.Queue[Pending | None] = queue.Queue(maxsize=max_queue)
         self.controls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
-        # held while the model's modules change (adapters attached or removed), and by a job that
-        # runs the shared model outside the engine thread, so neither sees the other half-done
-        self.model_lock = threading.Lock()
+        # A fast tokenizer keeps its padding settings in the object and changes them on every call, so two
+        # threads calling one tokenizer can pad each other's batches: the engine thread decodes with its own
+        # copy, other threads share `lm.tokenizer` under `tokenizer_lock`, jobs get copies (`private_copy`).
+        self.tokenizer = copy.deepcopy(lm.tokenizer)
+        self.tokenizer_lock = threading.Lock()
         self._batch: Batch | None = None
+        # prefilled rows still waiting for their first token (kept only with metrics), by id: a request
+        # prefilled again (a group retried one by one after a failed prefill) is counted once
+        self._fresh: dict[int, Pending] = {}
         self._thread = threading.Thread(target=self._run, name="lethe-engine", daemon=True)
         self._thread.start()
 
@@ -73,7 +81,8 @@ class Engine:
         return int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
 
     def count_tokens(self, text: str) -> int:
-        return len(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self.tokenizer_lock:
+            return len(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def submit(self, pending: Pending) -> Pending:
         try:
@@ -94,16 +103,19 @@ class Engine:
             pass  # a full queue means a busy worker, which runs controls between steps anyway
         return future
 
-    def base_model(self):
-        """The base model without adapters, for a job to train with: the shared one while no adapter is
-        attached, else a copy (made between steps)."""
-        if not _is_peft(self.lm.model):
-            return self.lm.model
+    def private_copy(self) -> LoadedModel:
+        """The base model (no adapters) and tokenizer as copies of their own, for a job: it runs them on its
+        thread for as long as it likes while the engine attaches adapters and decodes. Copied in the engine
+        thread between two steps, so never half-way through an attach."""
+        from dataclasses import replace
 
-        def copy_base():
-            import copy
-
-            return copy.deepcopy(self.lm.model).unload()
+        def copy_base() -> LoadedModel:
+            model = copy.deepcopy(self.lm.model)
+            if _is_peft(model):
+                model = model.unload()
+            with self.tokenizer_lock:
+                tokenizer = copy.deepcopy(self.lm.tokenizer)
+            return replace(self.lm, model=model, tokenizer=tokenizer)
 
         return self.control(copy_base).result(timeout=600)
 
@@ -152,6 +164,9 @@ class Engine:
         self._run_controls()
         if self.metrics:
             self.metrics.queue_depth.set(self.queue.qsize())
+        for p in group:
+            if p.cancelled.is_set():
+                p.future.cancel()  # its client left while it waited: settle it, so what it pinned is released
         return [p for p in group if not p.cancelled.is_set() and p.future.set_running_or_notify_cancel()]
 
     def _run_controls(self) -> None:
@@ -177,9 +192,11 @@ class Engine:
             new = self._take(block=batch is None, room=self.max_batch_size - len(active))
             if new is None:
                 break
+            joined = None
             try:
                 if new:
-                    joined = self._start(new)
+                    joined, new = self._start_isolated(new)
+                if joined is not None:
                     if batch is None:
                         batch, active = joined, new
                     elif batch.can_merge() and joined.can_merge():
@@ -206,13 +223,46 @@ class Engine:
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError("the server is shutting down"))
 
+    def _start_isolated(self, group: list[Pending]) -> tuple[Batch | None, list[Pending]]:
+        """Prefill `group` together; if that raises, each request alone, so only the ones that fail alone fail
+        (with their own error). Returns the batch of those that started (None if none did) and them."""
+        try:
+            return self._start(group), group
+        except Exception as e:
+            if len(group) == 1:
+                log.warning("request failed at prefill: %s: %s", type(e).__name__, e)
+                group[0].future.set_exception(e)
+                return None, []
+        started = []
+        for pending in group:
+            try:
+                self._start([pending])
+                started.append(pending)
+            except Exception as e:
+                log.warning("request failed at prefill: %s: %s", type(e).__name__, e)
+                pending.future.set_exception(e)
+        return (self._start(started), started) if started else (None, [])
+
     def _start(self, group: list[Pending]) -> Batch:
         if self.metrics:
             self.metrics.batch_size.observe(len(group))
+            self._fresh.update((id(p), p) for p in group)
         guide = HeadGuide([p.row for p in group]) if any(p.row for p in group) else None
         adapters = [p.adapter or "__base__" for p in group] if _is_peft(self.lm.model) else None
-        return Batch(self.lm.model, self.lm.tokenizer, [p.prompt for p in group], [p.params for p in group], guide,
+        return Batch(self.lm.model, self.tokenizer, [p.prompt for p in group], [p.params for p in group], guide,
                      adapters)
+
+    def _first_tokens(self, active: list[Pending]) -> None:
+        """Time to first token for the fresh rows that were just stepped (their first step chose their first
+        token). Fresh rows not in `active` wait in a batch behind a draining one, or failed (and are dropped)."""
+        now, stepped, waiting = time.perf_counter(), {id(p) for p in active}, {}
+        for key, pending in self._fresh.items():
+            if id(pending) in stepped:
+                if not pending.cancelled.is_set():
+                    self.metrics.first_token_seconds.observe(now - pending.submitted)
+            elif not pending.future.done():
+                waiting[key] = pending
+        self._fresh = waiting
 
     def _drain(self, batch: Batch, active: list[Pending]) -> None:
         while not batch.done:
@@ -225,6 +275,10 @@ class Engine:
                 batch.finish(i)
         if not batch.done:
             batch.step()
+            if self.metrics:  # O(1) per step; O(rows) only in a step that new rows joined
+                self.metrics.running_rows.observe(len(active))
+                if self._fresh:
+                    self._first_tokens(active)
         for pending, row in zip(active, batch.rows):
             if pending.on_text is not None and len(row.text) > pending.sent:
                 text = row.text
@@ -234,7 +288,10 @@ class Engine:
                 if len(text) > pending.sent:
                     pending.on_text(text[pending.sent:])
                     pending.sent = len(text)
-            if row.finish_reason is not None and not pending.future.done():
+            if row.error is not None and not pending.future.done():
+                log.warning("a row failed alone: %s: %s", type(row.error).__name__, row.error)
+                pending.future.set_exception(row.error)
+            elif row.finish_reason is not None and not pending.future.done():
                 completion = Completion(row.text, row.token_ids, row.finish_reason, row.prompt_tokens)
                 if self.metrics:
                     self.metrics.tokens.inc(completion.completion_tokens)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from heads.decode import Completion
 from heads.sampling import SamplingParams
@@ -20,9 +21,16 @@ def field_error(field: str, message: str, status: int = 422) -> HTTPException:
     return HTTPException(status, detail=[{"loc": ["body", field], "msg": message, "type": "value_error"}])
 
 
-def admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
-          fields: tuple[str, str] = ("prompt", "max_new_tokens")) -> tuple[Resolved, int]:
-    """Check the request against the limits and resolve its profile, pinning the version now."""
+async def admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
+                fields: tuple[str, str] = ("prompt", "max_new_tokens")) -> tuple[Resolved, int]:
+    """Check the request against the limits and resolve its profile, pinning the version (and any adapter)
+    now. Tokenizing, reading a head file and attaching an adapter run in a worker thread, never on the event
+    loop, so no request can stall the others' streams or /healthz."""
+    return await run_in_threadpool(_admit, request, tenant, prompt, params, profile, fields)
+
+
+def _admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
+           fields: tuple[str, str]) -> tuple[Resolved, int]:
     app = request.app
     engine: Engine = app.state.engine
     limit = app.state.settings.max_new_tokens_limit
@@ -38,12 +46,29 @@ def admit(request: Request, tenant: str | None, prompt: str, params: SamplingPar
         resolved = resolve(app.state.store, app.state.heads, tenant, profile, app.state.adapters)
     except ProfileError as e:
         raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
-    app.state.metrics.profile_requests.labels(resolved.name or "inline").inc()
+    app.state.metrics.count_profile(resolved)  # by kind: a profile's name is the tenant's, never a label
     return resolved, prompt_tokens
 
 
+def submit(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
+           on_text: Callable[[str], None] | None = None) -> Pending:
+    """Queue the request; whatever it pinned at admission is released when it ends, however it ends."""
+    pending = Pending(prompt, params, resolved.row, resolved.adapter, on_text=on_text)
+    pending.future.add_done_callback(lambda _: resolved.done())
+    try:
+        return request.app.state.engine.submit(pending)
+    except BaseException:
+        resolved.done()
+        raise
+
+
 async def complete(request: Request, prompt: str, params: SamplingParams, resolved: Resolved) -> Completion:
-    return await request.app.state.engine.generate(prompt, params, resolved.row, resolved.adapter)
+    pending = submit(request, prompt, params, resolved)
+    try:
+        return await asyncio.wrap_future(pending.future)
+    except asyncio.CancelledError:
+        pending.cancelled.set()
+        raise
 
 
 def stream(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
@@ -54,9 +79,7 @@ def stream(request: Request, prompt: str, params: SamplingParams, resolved: Reso
     """
     loop = asyncio.get_running_loop()
     texts: asyncio.Queue[str] = asyncio.Queue()
-    pending = Pending(prompt, params, resolved.row, resolved.adapter,
-                      on_text=lambda t: loop.call_soon_threadsafe(texts.put_nowait, t))
-    request.app.state.engine.submit(pending)
+    pending = submit(request, prompt, params, resolved, lambda t: loop.call_soon_threadsafe(texts.put_nowait, t))
     done = asyncio.wrap_future(pending.future)
 
     async def events() -> AsyncIterator[str]:

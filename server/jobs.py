@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import nullcontext
 import queue
 import threading
 import time
@@ -95,11 +94,19 @@ class JobRunner:
                 self._finish(job_id, "cancelled", error="cancelled while running")
             except Exception as e:
                 log.exception("job %s failed", job_id)
-                self._finish(job_id, "failed", error=f"{type(e).__name__}: {e}")
+                self._finish(job_id, "failed", error=self._public(f"{type(e).__name__}: {e}"))
             finally:
                 self._cancel.pop(job_id, None)
                 if self.metrics:
                     self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)
+
+    def _public(self, message: str) -> str:
+        """A job's error as its tenant may see it: no server paths."""
+        for path, name in ((self.store.dir.resolve(), "<data>"), (self.store.dir, "<data>"),
+                           (getattr(self.engine.lm, "path", None), "<model>")):
+            if path is not None and str(path) not in ("", "."):
+                message = message.replace(str(path), name)
+        return message
 
     def _progress(self, job_id: str, cancel: threading.Event, spans: dict[str, tuple[float, float]]):
         """A callback `(phase, fraction)` that writes the overall progress and raises when cancelled."""
@@ -122,16 +129,10 @@ class JobRunner:
         return (params, read_jsonl(self.store.dataset_path(params["forget"])),
                 read_jsonl(self.store.dataset_path(params["retain"])))
 
-    def _with_base(self, work):
-        """Run `work(model)` on the base model: the shared one (holding the model lock, so no adapter is
-        attached meanwhile) while no adapter is attached, else a copy."""
-        while True:
-            base = self.engine.base_model()
-            shared = base is self.engine.lm.model
-            with self.engine.model_lock if shared else nullcontext():
-                if shared and base is not self.engine.lm.model:
-                    continue  # an adapter was attached just now: take a copy instead
-                return work(base)
+    def _private(self):
+        """The base model and tokenizer as copies of the job's own (`Engine.private_copy`): a job never holds a
+        lock the engine needs, and never shares a tokenizer with another thread."""
+        return self.engine.private_copy()
 
     def _save_result(self, job_id: str, tenant_id: str, table: str, item_id: str, write, info: dict,
                      metrics: dict) -> None:
@@ -145,7 +146,6 @@ class JobRunner:
                         "finished = ? WHERE id = ?", (json.dumps(metrics), item_id, time.time(), job_id))])
 
     def _evaluate(self, job: dict, cancel: threading.Event) -> None:
-        import copy
         from dataclasses import replace
 
         from heads.asu import attach, load_asu
@@ -161,64 +161,47 @@ class JobRunner:
             settings = TiltSettings.from_dict({k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap")})
         self._update(job_id, phase="evaluating", progress=0.05)
 
-        def run(base):
-            model = base
-            if spec.get("backend") == "asu":  # the adapter goes onto a copy, never onto the serving model
-                tensors, info = load_asu(self.store.asu_path(spec["weights"]), self.engine.lm.fingerprint)
-                model = attach(copy.deepcopy(base), "asu_eval", tensors, info)
-            lm = replace(self.engine.lm, model=model)
-            cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64))
-            return evaluate(lm, forget, retain, Profile(params.get("profile") or "inline", head, settings), cfg=cfg)
-
-        report = self._with_base(run)
+        lm = self._private()
+        if spec.get("backend") == "asu":  # the adapter goes onto the job's copy, never onto the serving model
+            tensors, info = load_asu(self.store.asu_path(spec["weights"]), self.engine.lm.fingerprint)
+            lm = replace(lm, model=attach(lm.model, "asu_eval", tensors, info))
+        cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64))
+        report = evaluate(lm, forget, retain, Profile(params.get("profile") or "inline", head, settings), cfg=cfg)
         if cancel.is_set():
             raise Cancelled()
         report.pop("forget_truth_ratios", None)
         self._finish(job_id, "succeeded", phase="done", progress=1.0, metrics=json.dumps(report))
 
     def _train(self, job: dict, cancel: threading.Event) -> None:
-        from dataclasses import replace
-
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
         progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.85),
                                                     "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
                                                    "common_df", "seed") if k in params})
-        def work(base):
-            lm = replace(self.engine.lm, model=base)
-            head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
-            progress("evaluating", 0.0)
-            info.metrics |= quick_check(lm, head, forget, retain)
-            return head, info
-
-        head, info = self._with_base(work)
+        lm = self._private()
+        head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
+        progress("evaluating", 0.0)
+        info.metrics |= quick_check(lm, head, forget, retain)
+        del lm
         if cancel.is_set():
             raise Cancelled()
         self._save_result(job_id, tenant_id, "heads", new_id("head"), lambda path: save_head(path, head, info),
                           info.__dict__, info.metrics)
 
     def _train_asu(self, job: dict, cancel: threading.Event) -> None:
-        from dataclasses import replace
-
         from heads.asu import ASUConfig, save_asu, train_asu
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
         progress = self._progress(job_id, cancel, {"copying": (0.0, 0.05), "distilling": (0.05, 0.95)})
         progress("copying", 0.0)
-        # training injects LoRA layers into the model it is given: never the one that is serving
-        import copy
-
-        base = self.engine.base_model()
-        with self.engine.model_lock:
-            base = copy.deepcopy(base) if base is self.engine.lm.model else base
-        lm = replace(self.engine.lm, model=base)
+        lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
         cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
                                                    "retain_weight", "lr", "steps", "seed") if k in params})
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
                                   on_progress=lambda f: progress("distilling", f))
-        del lm, base
+        del lm
         if cancel.is_set():
             raise Cancelled()
         from dataclasses import asdict

@@ -11,28 +11,29 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, StrictBool
 
 from heads.decode import Completion
 from heads.records import PROMPT_FORMAT
-from heads.sampling import SamplingParams
+from heads.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, SamplingParams
 from server.auth import optional_tenant
 from server.generation import admit, complete, field_error, stream
+from server.protocol import MAX_PROMPT_CHARS, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(ValidText):
     model_config = ConfigDict(extra="ignore")
-    model: str = "base"
-    max_tokens: int | None = Field(None, gt=0)
+    model: str = Field("base", max_length=200)
+    max_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
-    stream: bool = False
-    n: int = Field(1, ge=1)
-    unlearning_profile: str | None = None
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOPS)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: StrictBool = False
+    n: int = Field(1, ge=1, le=128)
+    unlearning_profile: str | None = Field(None, max_length=200)
 
     def checks(self) -> None:
         if self.n != 1:
@@ -48,19 +49,19 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     logprobs: int | None = None
 
 
-class Message(BaseModel):
+class Message(ValidText):
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str
+    role: str = Field(max_length=100)
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
 class ChatRequest(OpenAIRequest):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, gt=0)
+    messages: list[Message] = Field(min_length=1, max_length=10_000)
+    max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     logprobs: bool | None = None
 
 
@@ -93,7 +94,7 @@ async def completions(body: CompletionRequest, request: Request, tenant_id: str 
     if body.logprobs:
         raise field_error("logprobs", "logprobs are not supported")
     params = body.sampling(16)
-    resolved, _ = admit(request, tenant_id, body.prompt, params, body.profile(), ("prompt", "max_tokens"))
+    resolved, _ = await admit(request, tenant_id, body.prompt, params, body.profile(), ("prompt", "max_tokens"))
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def envelope(choice: dict, usage: dict | None = None) -> dict:
@@ -119,7 +120,7 @@ async def chat_completions(body: ChatRequest, request: Request, tenant_id: str |
         body.max_tokens = body.max_completion_tokens
     prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
     params = body.sampling(64)
-    resolved, _ = admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
+    resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def envelope(obj: str, choice: dict, usage: dict | None = None) -> dict:

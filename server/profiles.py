@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from heads.guide import PRESETS, TiltSettings
 from heads.head import BaseMismatch, HeadFileError, T3Head, load_head
@@ -30,6 +31,12 @@ class Resolved:
     version: int | None
     row: tuple[T3Head, TiltSettings] | None  # None: no T3 head
     adapter: str | None = None  # an attached ASU adapter's name; None: the base weights
+    release: Callable[[], None] | None = field(default=None, compare=False)  # unpins the adapter, once
+
+    def done(self) -> None:
+        """The request ended (finished, failed or never admitted): its adapter may be detached from now on."""
+        if self.release is not None:
+            self.release()
 
 
 BASE = Resolved("base", None, None)
@@ -37,57 +44,107 @@ BASE = Resolved("base", None, None)
 
 class AdapterCache:
     """ASU adapters attached to the served model (in the engine thread, between steps), so every
-    adapter shares the base tensors. Beyond `size`, the least recently used adapter that no running
-    row uses is detached."""
+    adapter shares the base tensors.
+
+    Each request pins the adapter it was admitted with until it ends: the least recently used adapter
+    beyond `size` is detached only once nothing pins it, and deleting weights detaches them only after the
+    last request using them has finished. Files are checked completely (`heads.asu.check_asu`) against the
+    projection shapes read from the base model at start, before anything is attached; `attach` is all or
+    nothing, so a refused or failed attach leaves the model exactly as it was."""
 
     def __init__(self, store: Store, engine, size: int):
+        from heads.asu import projection_shapes
+
         self.store, self.engine, self.size = store, engine, size
+        self.shapes = projection_shapes(engine.lm.model)
+        self.n_layers = engine.lm.model.config.num_hidden_layers
         self._names: OrderedDict[str, str] = OrderedDict()  # weights id -> adapter name
+        self._pins: dict[str, int] = {}  # weights id -> requests using it
+        self._doomed: set[str] = set()  # deleted while pinned: detach when the last pin goes
         self._lock = threading.Lock()
+        self._attaching = threading.Lock()
 
-    def get(self, tenant_id: str, weights_id: str) -> str:
-        from heads.asu import attach, detach, load_asu
+    def load(self, weights_id: str):
+        """(tensors, info) of stored weights, checked against this model; ProfileError otherwise."""
+        from heads.asu import load_asu
 
+        try:
+            return load_asu(self.store.asu_path(weights_id), self.engine.lm.fingerprint, self.shapes, self.n_layers)
+        except BaseMismatch as e:
+            raise ProfileError(409, "weights", str(e).replace(str(self.store.dir), "<data>")) from None
+        except HeadFileError as e:
+            raise ProfileError(422, "weights", str(e).replace(str(self.store.dir), "<data>")) from None
+
+    def check(self, tenant_id: str, weights_id: str) -> None:
+        """404 unless the tenant has these weights (for a spec that is stored, not used yet)."""
         if self.store.get("asu_weights", tenant_id, weights_id) is None:
             raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found")
-        with self._lock:
-            if weights_id in self._names:
-                self._names.move_to_end(weights_id)
-                return self._names[weights_id]
-            try:
-                tensors, info = load_asu(self.store.asu_path(weights_id), self.engine.lm.fingerprint)
-            except BaseMismatch as e:
-                raise ProfileError(409, "weights", str(e)) from None
-            except HeadFileError as e:
-                raise ProfileError(422, "weights", str(e)) from None
-            name = f"asu_{weights_id}"
 
-            def add():
-                busy = self.engine.running_adapters
-                for old_id, old_name in list(self._names.items()):
-                    if len(self._names) < self.size:
-                        break
-                    if old_name not in busy:
-                        detach(self.engine.lm.model, old_name)
+    def acquire(self, tenant_id: str, weights_id: str) -> tuple[str, Callable[[], None]]:
+        """The adapter's name, attached and pinned, and the function that unpins it (call it once).
+
+        `_attaching` serialises attaches (and is held while the engine thread attaches); `_lock` guards the
+        tables and is only ever held briefly, so `release`, which may run in the engine thread, never waits."""
+        from heads.asu import attach
+
+        self.check(tenant_id, weights_id)
+        with self._attaching:
+            with self._lock:
+                if weights_id not in self._names:
+                    evict = [(i, n) for i, n in self._names.items() if not self._pins.get(i)]
+                    evict = evict[: max(0, len(self._names) + 1 - self.size)]
+                    for old_id, _ in evict:
                         del self._names[old_id]
-                with self.engine.model_lock:
+            if weights_id not in self._names:
+                tensors, info = self.load(weights_id)
+                name = f"asu_{weights_id}"
+
+                def add():
+                    for _, old_name in evict:
+                        self._detach_now(old_name)
                     self.engine.replace_model(attach(self.engine.lm.model, name, tensors, info))
 
-            self.engine.control(add).result(timeout=600)
-            self._names[weights_id] = name
-            return name
+                try:
+                    self.engine.control(add).result(timeout=600)
+                except HeadFileError as e:
+                    raise ProfileError(422, "weights", str(e)) from None
+                with self._lock:
+                    self._names[weights_id] = name
+            with self._lock:
+                self._names.move_to_end(weights_id)
+                self._pins[weights_id] = self._pins.get(weights_id, 0) + 1
+                name = self._names[weights_id]
+        released = threading.Event()
 
-    def drop(self, weights_id: str) -> None:
+        def release() -> None:
+            if released.is_set():
+                return
+            released.set()
+            with self._lock:
+                self._pins[weights_id] -= 1
+                if self._pins[weights_id] == 0:
+                    del self._pins[weights_id]
+                    if weights_id in self._doomed:
+                        self._doomed.discard(weights_id)
+                        self._names.pop(weights_id, None)
+                        self.engine.control(lambda: self._detach_now(name))  # may run in the engine thread: no wait
+
+        return name, release
+
+    def _detach_now(self, name: str) -> None:
         from heads.asu import detach
 
+        detach(self.engine.lm.model, name)
+
+    def drop(self, weights_id: str) -> None:
+        """Weights were deleted: detach them now, or when the last request using them ends."""
         with self._lock:
+            if self._pins.get(weights_id):
+                self._doomed.add(weights_id)
+                return
             name = self._names.pop(weights_id, None)
         if name is not None:
-            def remove():
-                with self.engine.model_lock:
-                    detach(self.engine.lm.model, name)
-
-            self.engine.control(remove).result(timeout=600)
+            self.engine.control(lambda: self._detach_now(name))
 
 
 class HeadCache:
@@ -111,9 +168,9 @@ class HeadCache:
             head, info = load_head(self.store.head_path(head_id), self.lm.fingerprint, cfg.vocab_size,
                                    cfg.hidden_size)
         except BaseMismatch as e:
-            raise ProfileError(409, "head", str(e)) from None
+            raise ProfileError(409, "head", str(e).replace(str(self.store.dir), "<data>")) from None
         except HeadFileError as e:
-            raise ProfileError(422, "head", str(e)) from None
+            raise ProfileError(422, "head", str(e).replace(str(self.store.dir), "<data>")) from None
         head.to(self.lm.device)
         with self._lock:
             self._heads[head_id] = (head, info.profile)
@@ -138,7 +195,8 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
             raise ProfileError(422, "weights", "an asu profile needs a weights id")
         if adapters is None:
             raise ProfileError(422, "backend", "ASU is not available on this server")
-        adapters.get(tenant_id, spec["weights"])
+        adapters.check(tenant_id, spec["weights"])
+        adapters.load(spec["weights"])  # a stored spec must be usable: the weights are checked now
         if not spec.get("head"):
             return {"backend": "asu", "weights": spec["weights"]}
         return {**complete_spec(cache, tenant_id, {**spec, "backend": "t3"}), "backend": "asu",
@@ -175,13 +233,14 @@ def resolve(store: Store, cache: HeadCache, tenant_id: str | None, profile: str 
         (version, spec), name = current, profile
     if spec["backend"] == "base":
         return Resolved(name, version, None)
-    adapter = None
-    if spec["backend"] == "asu":
-        if adapters is None:
-            raise ProfileError(422, "backend", "ASU is not available on this server")
-        adapter = adapters.get(tenant_id, spec["weights"])
-    if not spec.get("head"):
-        return Resolved(name, version, None, adapter)
-    head, _ = cache.get(tenant_id, spec["head"])
-    settings = TiltSettings.from_dict({k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap")})
-    return Resolved(name, version, (head, settings), adapter)
+    head = None
+    if spec.get("head"):  # before the adapter: a missing head must not leave an adapter pinned
+        head, _ = cache.get(tenant_id, spec["head"])
+    row = (head, TiltSettings.from_dict({k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap")})) \
+        if head is not None else None
+    if spec["backend"] != "asu":
+        return Resolved(name, version, row)
+    if adapters is None:
+        raise ProfileError(422, "backend", "ASU is not available on this server")
+    adapter, release = adapters.acquire(tenant_id, spec["weights"])
+    return Resolved(name, version, row, adapter, release)

@@ -7,24 +7,59 @@ added without breaking existing clients.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
-from heads.sampling import SamplingParams
+from heads.guide import MAX_CANDIDATES, MIN_T
+from heads.records import unicode_problem
+from heads.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
+
+MAX_PROMPT_CHARS = 1_000_000  # beyond any context we serve; the body limit bounds it first anyway
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 
 
-class Strict(BaseModel):
+def check_text(value, where: str = "") -> None:
+    """Every string in a request, however deep, must be valid Unicode (JSON escapes can make lone surrogates,
+    which no tokenizer encodes): one check for every schema, so no field is forgotten."""
+    if isinstance(value, str):
+        problem = unicode_problem(value)
+        if problem:
+            raise ValueError(f"{where or 'text'}: {problem}")
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            check_text(getattr(value, name), f"{where}.{name}" if where else name)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where)
+            check_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{where}[{i}]")
+
+
+class ValidText(BaseModel):
+    """Base of every request schema: all strings valid Unicode."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        check_text(self)
+        return self
+
+
+class Strict(ValidText):
     model_config = ConfigDict(extra="forbid")
 
 
 class SamplingFields(Strict):
-    max_new_tokens: int = Field(64, gt=0, description="Tokens to generate at most (the server caps it).")
+    max_new_tokens: int = Field(64, gt=0, le=MAX_NEW_TOKENS, description="Tokens to generate at most (the server "
+                                                                         "caps it).")
     temperature: float = Field(1.0, ge=0, le=100, allow_inf_nan=False, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="Nucleus mass, in (0, 1].")
-    top_k: int = Field(0, ge=0, description="Keep the k likeliest tokens; 0 keeps all.")
-    seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for reproducible sampling.")
-    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop strings (not returned).")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k likeliest tokens; 0 keeps all.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Seed for reproducible sampling.")
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOPS,
+                                   description="Stop strings (not returned).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -48,10 +83,10 @@ class ProfileSpec(Strict):
     head: str | None = Field(None, description="Head id (backend t3, or asu combined with a head).")
     weights: str | None = Field(None, description="ASU weights id (backend asu).")
     preset: Literal["default", "paper"] | None = None
-    T: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="Tempering temperature.")
+    T: float | None = Field(None, ge=MIN_T, le=100, allow_inf_nan=False, description="Tempering temperature.")
     lam: float | None = Field(None, ge=0, le=1000, allow_inf_nan=False, description="Tilt strength.")
-    gate: bool | None = None
-    candidates: int | None = Field(None, ge=0, le=100_000)
+    gate: StrictBool | None = None
+    candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
     note: str | None = Field(None, max_length=500, description="Free text kept with the version.")
 
@@ -60,9 +95,9 @@ class ProfileSpec(Strict):
 
 
 class GenerateRequest(SamplingFields):
-    prompt: str = Field(min_length=1, description="Text to continue.")
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="Text to continue.")
     profile: str | ProfileSpec | None = Field(None, description="A profile name, `base`, or an inline profile.")
-    stream: bool = Field(False, description="Send text as server-sent events.")
+    stream: StrictBool = Field(False, description="Send text as server-sent events.")
 
 
 class Usage(BaseModel):
@@ -101,7 +136,7 @@ class HeadJobRequest(Strict):
     max_epochs: int = Field(60, ge=1, le=1000)
     balance: bool = True
     common_df: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class ASUJobRequest(Strict):
@@ -116,14 +151,14 @@ class ASUJobRequest(Strict):
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)
     steps: int = Field(300, ge=1, le=100_000)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class EvalJobRequest(Strict):
     forget: str = Field(description="Dataset id of the forget set (TOFU fields).")
     retain: str = Field(description="Dataset id of the retain set (TOFU fields).")
     profile: str | ProfileSpec = Field("base", description="A profile name, `base`, or an inline profile.")
-    seeds: list[int] = Field(default_factory=list, max_length=10, description="Sampling seeds (temperature 1).")
+    seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] = Field(default_factory=list, max_length=10, description="Sampling seeds (temperature 1).")
     max_new_tokens: int = Field(64, ge=1, le=512)
 
 
@@ -169,6 +204,20 @@ class ProfileOut(BaseModel):
     version: int
     spec: dict
     history: list[dict] = []
+
+
+PROFILE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$"
+
+
+def profile_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a profile (None if it can): 1-100 letters, digits, `_ . : -`, not `base` in any case."""
+    import re
+
+    if not re.fullmatch(PROFILE_NAME, name):
+        return "a profile name is 1-100 characters: letters, digits and _ . : - (starting with a letter or digit)"
+    if name.lower() == "base":
+        return "`base` names the model without unlearning; choose another name"
+    return None
 
 
 class TenantRequest(Strict):

@@ -11,13 +11,13 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import StreamingResponse
 
 from heads.io import atomic_write_bytes
-from heads.records import RecordError, parse_jsonl
+from heads.records import RecordError, parse_jsonl, unicode_problem
 from server.auth import admin, tenant
 from server.generation import field_error
 from server.jobs import TERMINAL
 from server.profiles import ProfileError, complete_spec
 from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, HeadJobRequest, HeadOut, JobOut,
-                             ProfileOut, ProfileSpec, TenantOut, TenantRequest)
+                             ProfileOut, ProfileSpec, TenantOut, TenantRequest, profile_name_problem)
 from server.storage import new_id
 
 router = APIRouter()
@@ -36,27 +36,34 @@ def owned(request: Request, table: str, tenant_id: str, item_id: str, kind: str)
 
 
 async def _read_upload(request: Request, limit: int) -> tuple[bytes, str | None]:
-    """The records file from a multipart upload (field `file`) or the raw body; 413 beyond `limit` bytes."""
+    """The records file from a multipart upload (field `file`) or the raw body; 413 beyond `limit` bytes.
+
+    The body is read as it arrives and refused as soon as it passes the limit (a chunked upload with no
+    Content-Length included), before any form parsing or spooling to disk."""
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit + 64 * 1024:
+    room = limit + 64 * 1024  # a multipart envelope around a file of `limit` bytes
+    if length and length.isdigit() and int(length) > room:
         raise HTTPException(413, f"body of {length} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > room:
+            raise HTTPException(413, f"upload exceeds the limit of {limit} bytes")
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
-        form = await request.form()
+        request._body = bytes(body)  # Starlette parses the form from the body read above
+        form = await request.form(max_files=1, max_fields=10)
         upload = form.get("file")
         if upload is None or isinstance(upload, str):
             raise field_error("file", "a multipart upload needs a `file` field")
         data = await upload.read(limit + 1)
         name = form.get("name") or upload.filename
     else:
-        data = b""
-        async for part in request.stream():
-            data += part
-            if len(data) > limit:
-                break
-        name = request.query_params.get("name")
+        data, name = bytes(body), request.query_params.get("name")
     if len(data) > limit:
         raise HTTPException(413, f"dataset exceeds the limit of {limit} bytes")
+    if name is not None and (len(name) > 200 or unicode_problem(name)):
+        raise field_error("name", "a name is at most 200 characters of valid Unicode")
     return data, name
 
 
@@ -99,6 +106,9 @@ def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(t
     """Delete a dataset and its file."""
     store = request.app.state.store
     owned(request, "datasets", tenant_id, dataset_id, "dataset")
+    users = store.users_of(tenant_id, "dataset", dataset_id)
+    if users:
+        raise HTTPException(409, f"dataset {dataset_id!r} is used by {', '.join(users)}; wait for them or cancel them")
     store.tx([("DELETE FROM datasets WHERE id = ?", (dataset_id,))])
     store.dataset_path(dataset_id).unlink(missing_ok=True)
     return Response(status_code=204)
@@ -193,17 +203,15 @@ def get_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenant))
     return _asu_out(w)
 
 
-def _profiles_using(store, tenant_id: str, key: str, value: str) -> list[str]:
-    return [n for n in store.profile_names(tenant_id) if (store.current_profile(tenant_id, n) or (0, {}))[1].get(key) == value]
-
-
 def _delete_trained(request: Request, tenant_id: str, table: str, item_id: str, kind: str, key: str) -> Response:
-    """Delete a head or ASU weights: refused (409) while a profile's current version uses it."""
+    """Delete a head or ASU weights: refused (409) while any version of a profile (a rollback could make it
+    current again) or a queued or running job refers to it. Requests already admitted keep what they were
+    admitted with: a head object they hold, an adapter pinned until they end."""
     store = request.app.state.store
     owned(request, table, tenant_id, item_id, kind)
-    users = _profiles_using(store, tenant_id, key, item_id)
+    users = store.users_of(tenant_id, key, item_id)
     if users:
-        raise HTTPException(409, f"{kind} {item_id!r} is used by profiles {', '.join(users)}; change them first")
+        raise HTTPException(409, f"{kind} {item_id!r} is used by {', '.join(users)}; change or delete them first")
     store.tx([(f"DELETE FROM {table} WHERE id = ?", (item_id,))])
     (request.app.state.heads if table == "heads" else request.app.state.adapters).drop(item_id)
     (store.head_path(item_id) if table == "heads" else store.asu_path(item_id)).unlink(missing_ok=True)
@@ -216,9 +224,12 @@ def delete_asu(weights_id: str, request: Request, tenant_id: str = Depends(tenan
     return _delete_trained(request, tenant_id, "asu_weights", weights_id, "ASU weights", "weights")
 
 
-async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: str, check) -> dict:
-    """Store an uploaded head or ASU file if `check(path)` (which returns its metadata as a dict) accepts it;
-    a file for another base model is 409, a malformed or non-finite one 422, and nothing stays behind."""
+async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: str, check, out):
+    """Store an uploaded head or ASU file if `check(path)` (which returns its metadata as a dict) accepts it and
+    `out` can describe it; a file for another base model is 409, a malformed or out-of-bounds one 422, and
+    nothing stays behind (no file, no row)."""
+    from starlette.concurrency import run_in_threadpool
+
     from heads.head import BaseMismatch, HeadFileError
 
     store = request.app.state.store
@@ -226,14 +237,20 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
     item_id = new_id(prefix)
     path = store.head_path(item_id) if table == "heads" else store.asu_path(item_id)
     atomic_write_bytes(path, data)
+    row = {"id": item_id, "tenant_id": tenant_id, "job_id": None, "bytes": len(data), "created": time.time()}
     try:
-        info = check(path)
-    except (HeadFileError, BaseMismatch) as e:
+        row["info"] = json.dumps(await run_in_threadpool(check, path))  # reading tensors is not for the event loop
+        response = out(row)
+    except (HeadFileError, BaseMismatch, ValueError, KeyError, TypeError) as e:
         path.unlink(missing_ok=True)
-        raise field_error("file", str(e).replace(str(path), "upload"), 409 if isinstance(e, BaseMismatch) else 422)
+        status = 409 if isinstance(e, BaseMismatch) else 422
+        raise field_error("file", str(e).replace(str(path), "upload"), status) from None
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
-               (item_id, tenant_id, None, len(data), json.dumps(info), time.time()))])
-    return store.get(table, tenant_id, item_id)
+               (item_id, tenant_id, None, row["bytes"], row["info"], row["created"]))])
+    return response
 
 
 @router.post("/v1/heads/upload", response_model=HeadOut, status_code=201, tags=["heads"])
@@ -242,20 +259,22 @@ async def upload_head(request: Request, tenant_id: str = Depends(tenant)) -> Hea
     from heads.head import load_head
 
     cfg, fingerprint = request.app.state.engine.lm.model.config, request.app.state.engine.lm.fingerprint
-    return _head_out(await _upload_trained(request, tenant_id, "heads", "head", lambda path: load_head(
-        path, fingerprint, cfg.vocab_size, cfg.hidden_size)[1].__dict__))
+    return await _upload_trained(request, tenant_id, "heads", "head", lambda path: load_head(
+        path, fingerprint, cfg.vocab_size, cfg.hidden_size)[1].__dict__, _head_out)
 
 
 @router.post("/v1/asu/upload", response_model=ASUOut, status_code=201, tags=["asu"])
 async def upload_asu(request: Request, tenant_id: str = Depends(tenant)) -> ASUOut:
-    """Upload ASU weights made offline (`lethe asu train`); checked against this server's model."""
+    """Upload ASU weights made offline (`lethe asu train`); checked completely against this server's model
+    (every tensor fits a module, shapes, dtypes, rank and magnitudes) before it is stored."""
     from dataclasses import asdict
 
     from heads.asu import load_asu
 
+    adapters = request.app.state.adapters
     fingerprint = request.app.state.engine.lm.fingerprint
-    return _asu_out(await _upload_trained(request, tenant_id, "asu_weights", "asu",
-                                          lambda path: asdict(load_asu(path, fingerprint)[1])))
+    return await _upload_trained(request, tenant_id, "asu_weights", "asu", lambda path: asdict(
+        load_asu(path, fingerprint, adapters.shapes, adapters.n_layers)[1]), _asu_out)
 
 
 def _head_out(h: dict) -> HeadOut:
@@ -336,9 +355,9 @@ def _profile_out(store, tenant_id: str, name: str) -> ProfileOut:
 @router.put("/v1/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
 def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str = Depends(tenant)):
     """Create the profile, or replace it with a new version; requests admitted earlier keep theirs."""
-    if name == "base" or not name.strip() or len(name) > 100:
-        raise HTTPException(422, detail=[{"loc": ["path", "name"], "msg": "a profile name of 1-100 characters, "
-                                          "not `base`", "type": "value_error"}])
+    problem = profile_name_problem(name)
+    if problem:
+        raise HTTPException(422, detail=[{"loc": ["path", "name"], "msg": problem, "type": "value_error"}])
     store = request.app.state.store
     try:
         spec = complete_spec(request.app.state.heads, tenant_id, body.spec(), request.app.state.adapters)

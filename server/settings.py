@@ -26,5 +26,7 @@ class Settings(BaseSettings):
     allow_anonymous: bool = Field(True, description="Requests without a key may generate from the base model.")
     demo_tenant: bool = Field(True, description="On first start, create a 'demo' tenant and print its key.")
     max_upload_bytes: int = Field(50 * 2**20, gt=0, description="Largest dataset upload; more answer 413.")
+    max_request_bytes: int = Field(2**20, gt=0, description="Largest JSON request body; more answer 413.")
+    body_timeout: float = Field(30.0, gt=0, description="Seconds a request body may stall; then 408.")
     head_cache_size: int = Field(64, gt=0, description="Heads kept in memory (least recently used go first).")
     adapter_cache_size: int = Field(16, gt=0, description="ASU adapters attached to the model at most.")

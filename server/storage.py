@@ -154,6 +154,21 @@ class Store:
     def set_profile_version(self, tenant_id: str, name: str, version: int) -> None:
         self.tx([("UPDATE profiles SET version = ? WHERE tenant_id = ? AND name = ?", (version, tenant_id, name))])
 
+    def users_of(self, tenant_id: str, key: str, value: str) -> list[str]:
+        """What still refers to a head (`key` head), ASU weights (`weights`) or dataset (`forget`/`retain`):
+        any version of a profile (a rollback may make it current again) and any queued or running job."""
+        users = []
+        for r in self.q("SELECT name, version, spec FROM profile_versions WHERE tenant_id = ? ORDER BY name, version",
+                        tenant_id):
+            if json.loads(r["spec"]).get(key) == value:
+                users.append(f"profile {r['name']!r} v{r['version']}")
+        for r in self.q("SELECT id, params FROM jobs WHERE tenant_id = ? AND status IN ('queued', 'running')",
+                        tenant_id):
+            params = json.loads(r["params"] or "{}")
+            if value in (params.get("forget"), params.get("retain"), (params.get("spec") or {}).get(key)):
+                users.append(f"job {r['id']}")
+        return users
+
     def delete_profile(self, tenant_id: str, name: str) -> None:
         self.tx([("DELETE FROM profiles WHERE tenant_id = ? AND name = ?", (tenant_id, name)),
                  ("DELETE FROM profile_versions WHERE tenant_id = ? AND name = ?", (tenant_id, name))])
