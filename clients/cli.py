@@ -11,13 +11,35 @@ import sys
 from pathlib import Path
 
 
-def _add_model_args(p: argparse.ArgumentParser, default_demo: bool = True) -> None:
+def _offline_defaults(p: argparse.ArgumentParser, **values) -> None:
+    """Defaults applied only when the command runs offline. The parser's own default stays None, so that an
+    option given on the command line can be told from one left out (see `_modes`)."""
+    p.set_defaults(_offline_defaults={**(p.get_default("_offline_defaults") or {}), **values})
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     from server.settings import DEMO_MODEL
 
-    p.add_argument("--model", type=Path, default=DEMO_MODEL if default_demo else None,
-                   help="local Hugging Face causal-LM directory (default: the embedded demo model)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--model", type=Path, default=None,
+                   help="local Hugging Face causal-LM directory (offline; default: the embedded demo model)")
+    p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (offline; default: cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="offline; default float32")
+    _offline_defaults(p, model=DEMO_MODEL, device="cpu", dtype="float32")
+
+
+def _modes(p: argparse.ArgumentParser, offline: list[str], server: list[str]) -> None:
+    """Mark `p` as a command that runs offline or on a server: on the server when a URL is set (--url or
+    $LETHE_URL) unless --local is given. `offline` and `server` name (by dest) the options that only one side
+    uses; giving one on the other side is bad usage, never silently ignored (see `_check_mode`)."""
+    p.add_argument("--local", action="store_true",
+                   help="run offline, on local files, even though $LETHE_URL is set")
+    actions = {a.dest: a for a in p._actions}
+
+    def table(dests):
+        return [(d, "/".join(actions[d].option_strings) or d, actions[d].default) for d in dests]
+
+    p.set_defaults(_modes=(table(offline), table(server)))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +115,9 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cap", type=float, help="flagged tokens score at most the best other token minus CAP")
     p.add_argument("--no-cap", action="store_true", help="turn the spike cap off")
     p.add_argument("--asu", type=Path, help="ASU adapter weights (from `lethe asu train`), alone or with --head")
+
+
+_PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "candidates", "cap", "no_cap", "asu"]
 
 
 def _profile(args, lm):
@@ -375,9 +400,11 @@ def cmd_bench_soak(args) -> int:
         from server.settings import Settings
 
         with tempfile.TemporaryDirectory() as data:
-            settings = Settings(model=args.model, data_dir=Path(data), max_queue=args.max_queue, port=args.port)
-            server = uvicorn.Server(uvicorn.Config(create_app(settings, load_model(args.model)), host="127.0.0.1",
-                                                   port=args.port, log_level="warning"))
+            settings = Settings(model=args.model, device=args.device, dtype=args.dtype, data_dir=Path(data),
+                                max_queue=args.max_queue, port=args.port)
+            lm = load_model(args.model, args.device, args.dtype)
+            server = uvicorn.Server(uvicorn.Config(create_app(settings, lm), host="127.0.0.1", port=args.port,
+                                                   log_level="warning"))
             thread = threading.Thread(target=server.run, daemon=True)
             thread.start()
             url = f"http://127.0.0.1:{args.port}"
@@ -406,18 +433,18 @@ def _add_resource_commands(group, kind: str, label: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import os
-
     from clients import remote
 
     parser = argparse.ArgumentParser(
         prog="lethe", description="Lethe: inference-time unlearning server.",
         epilog="Exit codes: 0 success; 1 the command failed (the server refused it, or a job failed); 2 bad usage; "
                "3 the server could not be reached.")
-    parser.add_argument("--url", default=os.environ.get("LETHE_URL"),
-                        help="a Lethe server: run server commands against it ($LETHE_URL)")
-    parser.add_argument("--key", default=os.environ.get("LETHE_KEY"), help="API key ($LETHE_KEY)")
-    parser.add_argument("--field", help="with --url: print only this field of the answer (e.g. id, head)")
+    parser.add_argument("--url", default=None,
+                        help="a Lethe server: run server commands against it (default: $LETHE_URL); commands "
+                             "that also run offline (generate, heads train, asu train, eval, bench soak) run on "
+                             "the server when a URL is set, offline only without one or with their --local")
+    parser.add_argument("--key", default=None, help="API key (default: $LETHE_KEY)")
+    parser.add_argument("--field", help="on the server: print only this field of the answer (e.g. id, head)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start the HTTP server")
@@ -458,22 +485,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_demo_build)
 
-    p = sub.add_parser("generate", help="generate offline, without a server")
+    p = sub.add_parser("generate", help="generate on the server (--url or $LETHE_URL), else (or with --local) offline",
+                       description="On the server when --url or $LETHE_URL is set, with --profile; otherwise (or "
+                                   "with --local) offline on --model, with --head and/or --asu files. Options of "
+                                   "the other mode are refused, never ignored.")
     _add_model_args(p)
     _add_sampling_args(p)
     _add_profile_args(p)
     p.add_argument("prompt", nargs="?", help="the prompt")
     p.add_argument("--input", type=Path, help="JSON Lines, one {\"prompt\": ...} per line")
     p.add_argument("--output", type=Path, help="JSON Lines out, one {\"prompt\", \"text\"} per line")
-    p.add_argument("--profile", help="with --url: the profile to generate with (default: base)")
-    p.add_argument("--stream", action="store_true", help="with --url: print the text as it comes")
+    p.add_argument("--profile", help="on the server: the profile to generate with (default: base)")
+    p.add_argument("--stream", action="store_true", help="on the server: print the text as it comes")
     p.set_defaults(func=cmd_generate, remote=remote.generate)
+    _modes(p, offline=["model", "device", "dtype", *_PROFILE_DESTS, "input", "output"], server=["profile", "stream"])
 
-    heads = sub.add_parser("heads", help="T3 heads, offline").add_subparsers(dest="heads", required=True)
+    heads = sub.add_parser("heads", help="T3 heads: train offline or on the server; list, get, delete on the server"
+                           ).add_subparsers(dest="heads", required=True)
     p = heads.add_parser("train", help="fit a head: offline, or on the server with --url",
-                         description="Offline: cache the model's states over the sets and fit a head to --out. "
-                                     "With --url: start a job on the server (sets given as dataset ids or local "
-                                     "files, which are uploaded first); --wait follows it with a progress bar.")
+                         description="Offline (no --url / $LETHE_URL, or --local): cache the model's states over "
+                                     "the sets and fit a head to --out. On the server (--url or $LETHE_URL): start "
+                                     "a job (sets given as dataset ids or local files, which are uploaded first); "
+                                     "--wait follows it with a progress bar. Options of the other mode are "
+                                     "refused, never ignored.")
     _add_model_args(p)
     p.add_argument("--forget", required=True, help="forget set: JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--retain", required=True, help="retain set: JSON Lines file (or, with --url, a dataset id)")
@@ -491,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
     p.set_defaults(func=cmd_heads_train, remote=remote.heads_train)
+    _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
     _add_resource_commands(heads, "heads", "heads")
 
     p = heads.add_parser("import-reference", help="convert an open-unlearning T3 save into a Lethe head")
@@ -499,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_heads_import)
 
-    asu = sub.add_parser("asu", help="ASU adapters, offline").add_subparsers(dest="asu", required=True)
+    asu = sub.add_parser("asu", help="ASU adapters: train offline or on the server; list, get, delete on the server"
+                         ).add_subparsers(dest="asu", required=True)
     p = asu.add_parser("train", help="distil LoRA adapters towards a tempered-attention teacher (offline, or --url)")
     _add_model_args(p)
     p.add_argument("--forget", required=True, help="JSON Lines file (or, with --url, a dataset id)")
@@ -519,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", type=Path, help="weights file to write; offline only, required there")
     p.set_defaults(func=cmd_asu_train, remote=remote.asu_train)
+    _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
     _add_resource_commands(asu, "asu", "ASU weights")
 
     p = sub.add_parser("openapi", help="print the HTTP API's OpenAPI schema (or, --markdown, the README table)")
@@ -585,13 +622,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
     p.add_argument("--quiet", action="store_true", help="with --url: no progress bar")
     p.add_argument("--reference-model", type=Path, help="a model never trained on the forget set (forget quality)")
-    p.add_argument("--retain-limit", type=int, default=0, help="evaluate an even spread of this many retain records")
+    p.add_argument("--retain-limit", type=int, default=None,
+                   help="evaluate an even spread of this many retain records (offline)")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="sampling seeds (temperature 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--name", help="profile name in the report")
     p.add_argument("--out", type=Path, help="JSON report (offline; required there)")
-    p.add_argument("--plot", type=Path, help="PNG plot")
+    p.add_argument("--plot", type=Path, help="PNG plot (offline)")
     p.set_defaults(func=cmd_eval, remote=remote.evaluate)
+    _modes(p, offline=["model", "device", "dtype", *_PROFILE_DESTS, "reference_model", "retain_limit", "name",
+                       "out", "plot"], server=["profile", "wait"])
 
     bench = sub.add_parser("bench", help="benchmarks that print ratios measured side by side"
                            ).add_subparsers(dest="bench", required=True)
@@ -627,14 +667,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_asu)
 
     p = bench.add_parser("soak", help="a fixed-duration load run: served, errors by class, p50/p99, peak RSS",
-                         description="Against --url, or (without it) a server of its own on --model.")
+                         description="Against --url or $LETHE_URL, or (without one, or with --local) a server "
+                                     "of its own on --model.")
     _add_model_args(p)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--duration", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-queue", type=int, default=8, help="own server: waiting requests before 429 (default 8)")
-    p.add_argument("--port", type=int, default=8765, help="own server: port (default 8765)")
+    p.add_argument("--max-queue", type=int, default=None, help="own server: waiting requests before 429 (default 8)")
+    p.add_argument("--port", type=int, default=None, help="own server: port (default 8765)")
+    _offline_defaults(p, max_queue=8, port=8765)
     p.set_defaults(func=cmd_bench_soak)
+    _modes(p, offline=["model", "device", "dtype", "max_queue", "port"], server=[])
     return parser
 
 
@@ -642,7 +685,61 @@ class UsageError(ValueError):
     """Bad usage that argparse could not catch: exit code 2."""
 
 
+def _command(args) -> str:
+    """The command's words, e.g. `heads train`."""
+    sub = {"demo": "demo", "heads": "heads", "asu": "asu", "bench": "bench", "datasets": "action", "jobs": "action",
+           "profiles": "action", "tenants": "action"}.get(args.command)
+    return f"{args.command} {getattr(args, sub)}" if sub else args.command
+
+
+def _given(args, table) -> list[str]:
+    """The options of `table` (dest, flag, parser default) that the command line set."""
+    return [flag for dest, flag, default in table if getattr(args, dest, default) != default]
+
+
+def _check_mode(args, url_from: str | None) -> bool:
+    """Decide where the command runs; True: on the server (args.url). Bad usage (never a silent fallback)
+    when an option of the other mode was given. `url_from`: "--url", "$LETHE_URL" or None."""
+    command = _command(args)
+    modes = getattr(args, "_modes", None)
+    has_remote = getattr(args, "remote", None) is not None
+    if modes is None:
+        if args.func is None:  # a server-only command
+            if not args.url:
+                raise UsageError(f"{command}: needs a server: give --url URL or set $LETHE_URL")
+            return True
+        if url_from == "--url":  # an offline-only command: a URL it cannot use is a mistake, not a hint
+            raise UsageError(f"{command} runs offline only and does not use a server: drop --url")
+        args.url = None
+        return False
+    offline_only, server_only = modes
+    if args.local:
+        if url_from == "--url":
+            raise UsageError(f"{command}: --local runs offline, --url on a server: give one of them")
+        args.url = None
+    if args.url:
+        wrong = _given(args, offline_only)
+        if wrong:
+            named = ", ".join(wrong)
+            raise UsageError(
+                f"{command}: {named} {'is' if len(wrong) == 1 else 'are'} for offline runs, but {url_from} is set "
+                f"({args.url}), so this would run on the server and ignore {'it' if len(wrong) == 1 else 'them'}. "
+                f"To run offline, on local files, add --local (or unset LETHE_URL); to use the server, drop {named}"
+                + (" (the server's unlearning is chosen with --profile NAME; see `lethe profiles set`)"
+                   if args.command in ("generate", "eval") else "") + ".")
+        return has_remote
+    wrong = _given(args, server_only)
+    if wrong:
+        named = ", ".join(wrong)
+        why = "--local was given" if args.local else "no --url is given and $LETHE_URL is not set"
+        raise UsageError(f"{command}: {named} {'needs' if len(wrong) == 1 else 'need'} a server, but {why}. "
+                         f"Give --url URL (or set $LETHE_URL) without --local, or drop {named} to run offline.")
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     import httpx
 
     from clients.client import Lethe, LetheError
@@ -651,14 +748,23 @@ def main(argv: list[str] | None = None) -> int:
     from heads.records import RecordError
 
     args = build_parser().parse_args(argv)
-    remote_handler = getattr(args, "remote", None)
+    env_url = os.environ.get("LETHE_URL") or None
+    url_from = "--url" if args.url else "$LETHE_URL" if env_url else None
+    args.url = args.url or env_url
+    if args.key is None:
+        args.key = os.environ.get("LETHE_KEY") or None
     try:
-        if args.url and remote_handler is not None:
+        on_server = _check_mode(args, url_from)
+        if on_server and getattr(args, "remote", None) is not None:
             with Lethe(args.url, key=args.key) as client:
-                _print(remote_handler(client, args), args.field)
+                _print(args.remote(client, args), args.field)
             return 0
-        if args.func is None:
-            raise UsageError(f"{args.command}: needs --url (or $LETHE_URL)")
+        if args.field is not None:
+            raise UsageError(f"{_command(args)}: --field selects a field of a server's answer, and this command "
+                             "runs offline: drop --field")
+        for dest, value in (getattr(args, "_offline_defaults", None) or {}).items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, value)
         return args.func(args)
     except UsageError as e:
         print(f"lethe: error: {e}", file=sys.stderr)
@@ -669,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     except httpx.TransportError as e:
         print(f"lethe: error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 3
-    except (ModelLoadError, RecordError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (ModelLoadError, RecordError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         print(f"lethe: error: {e}", file=sys.stderr)
         return 1
 

@@ -71,7 +71,7 @@ def datasets(client: Lethe, args):
 
 
 def heads_train(client: Lethe, args):
-    options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "seed")}
+    options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "balance", "common_df", "seed")}
     options["max_epochs"] = args.epochs
     job = client.train_head(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)), **options)
     return _run_job(client, job, args.wait, args.quiet)
@@ -125,7 +125,9 @@ def generate(client: Lethe, args):
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop or None)
     if args.prompt is None:
-        raise ValueError("give a PROMPT")
+        from clients.cli import UsageError
+
+        raise UsageError("generate: give a PROMPT (on the server, --input is not supported)")
     if args.stream:
         for piece in client.stream_generate(args.prompt, args.profile, **sampling):
             sys.stdout.write(piece)
@@ -133,6 +135,10 @@ def generate(client: Lethe, args):
         print()
         return None
     out = client.generate(args.prompt, args.profile, **sampling)
+    used = out.profile.name if out.profile is not None else None
+    if args.profile is not None and used != args.profile:  # never pass off other text as the profile's
+        raise RuntimeError(f"generate: asked for profile {args.profile!r}, the server answered with "
+                           f"{used or 'no profile'}; the text is withheld")
     print(out.text)
     return None
 

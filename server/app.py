@@ -25,6 +25,7 @@ from server.generation import admit, complete, stream
 from server.jobs import JobRunner
 from server.metrics import Metrics
 from server.profiles import AdapterCache, HeadCache
+from server.quotas import QuotaExceeded, Quotas
 from server.protocol import GenerateRequest, GenerateResponse, Health, ProfileUsed, Ready, Usage
 from server.settings import Settings
 from server.storage import Store
@@ -180,6 +181,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics)
         app.state.heads = HeadCache(store, model, settings.head_cache_size)
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
+        app.state.quotas = Quotas(store, settings)
         app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads)
         try:
             yield
@@ -220,6 +222,11 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         """FastAPI's 422, with inputs made JSON-safe (a NaN or Infinity in the body must not become a 500)."""
         return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors(), custom_encoder={
             Exception: str}))}, status_code=422)
+
+    @app.exception_handler(QuotaExceeded)
+    async def _quota(request: Request, exc: QuotaExceeded):
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return JSONResponse({"detail": exc.message}, status_code=429, headers=headers)
 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):

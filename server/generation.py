@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import HTTPException, Request
@@ -42,12 +43,31 @@ def _admit(request: Request, tenant: str | None, prompt: str, params: SamplingPa
     if prompt_tokens + params.max_new_tokens > engine.context_length:
         raise field_error(fields[0], f"{prompt_tokens} prompt tokens + {params.max_new_tokens} new tokens exceed "
                                      f"the model's context of {engine.context_length} tokens")
+    give_back = app.state.quotas.row(tenant)  # 429 beyond the caller's rows in flight
     try:
         resolved = resolve(app.state.store, app.state.heads, tenant, profile, app.state.adapters)
     except ProfileError as e:
+        give_back()
         raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
+    except BaseException:
+        give_back()
+        raise
+    resolved = replace(resolved, release=_both(resolved.release, give_back))
     app.state.metrics.count_profile(resolved)  # by kind: a profile's name is the tenant's, never a label
     return resolved, prompt_tokens
+
+
+def _both(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
+    if first is None:
+        return second
+
+    def release() -> None:
+        try:
+            first()
+        finally:
+            second()
+
+    return release
 
 
 def submit(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,

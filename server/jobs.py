@@ -1,4 +1,4 @@
-"""Training jobs: queued in SQLite, run one at a time by a worker thread.
+"""Training jobs: queued in SQLite, run one at a time by a worker thread, taking turns across tenants.
 
 A job moves through queued -> running (phases: caching, fitting, evaluating, saving; for ASU:
 copying, distilling, saving) -> succeeded, failed or cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
@@ -34,6 +34,7 @@ class JobRunner:
         self.store, self.engine, self.metrics, self.heads = store, engine, metrics, heads
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
+        self._last_start: dict[str, float] = {}  # tenant -> when its last job started (fair turns)
         self._recover()
         self._thread = threading.Thread(target=self._run, name="lethe-jobs", daemon=True)
         self._thread.start()
@@ -76,12 +77,22 @@ class JobRunner:
     def _finish(self, job_id: str, status: str, **fields) -> None:
         self._update(job_id, status=status, finished=time.time(), **fields)
 
+    def _next(self) -> dict | None:
+        """The queued job to run next, fairly across tenants: the oldest job of the tenant whose last job
+        started longest ago (a tenant never served first), so a tenant with many queued jobs takes turns with
+        the others instead of going first with all of them."""
+        queued = self.store.q("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created")
+        if not queued:
+            return None
+        return dict(min(queued, key=lambda j: (self._last_start.get(j["tenant_id"], 0.0), j["created"])))
+
     def _run(self) -> None:
-        while (job_id := self.queue.get()) is not None:
-            rows = self.store.q("SELECT * FROM jobs WHERE id = ?", job_id)
-            if not rows or rows[0]["status"] != "queued":
+        while self.queue.get() is not None:  # one wake-up per submitted job; which job runs is chosen here
+            job = self._next()
+            if job is None:
                 continue
-            job = dict(rows[0])
+            job_id = job["id"]
+            self._last_start[job["tenant_id"]] = time.time()
             cancel = self._cancel.setdefault(job_id, threading.Event())
             started = time.time()
             self._update(job_id, status="running", started=started, phase="caching", progress=0.0)

@@ -8,6 +8,7 @@ already admitted.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from heads.guide import PRESETS, TiltSettings
 from heads.head import BaseMismatch, HeadFileError, T3Head, load_head
 from heads.modelio import LoadedModel
 from server.storage import Store
+
+log = logging.getLogger("lethe.profiles")
 
 
 class ProfileError(Exception):
@@ -108,6 +111,10 @@ class AdapterCache:
                     self.engine.control(add).result(timeout=600)
                 except HeadFileError as e:
                     raise ProfileError(422, "weights", str(e)) from None
+                except Exception as e:  # attach undid itself: the model is as it was; this request alone fails
+                    log.exception("attaching ASU weights %s failed", weights_id)
+                    raise ProfileError(500, "weights", f"attaching the ASU weights failed ({type(e).__name__}); "
+                                                       f"the model is unchanged") from None
                 with self._lock:
                     self._names[weights_id] = name
             with self._lock:

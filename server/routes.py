@@ -81,6 +81,7 @@ async def upload_dataset(request: Request, tenant_id: str = Depends(tenant)) -> 
     except RecordError as e:
         raise HTTPException(422, detail=[{"loc": ["body", f"line {e.line}", e.field], "msg": e.message,
                                           "type": "value_error"}]) from None
+    request.app.state.quotas.dataset(tenant_id, len(data))
     dataset_id = new_id("ds")
     atomic_write_bytes(store.dataset_path(dataset_id), data)
     row = (dataset_id, tenant_id, name, len(records), hashlib.sha256(data).hexdigest(), len(data), time.time())
@@ -129,6 +130,10 @@ def _check_datasets(store, tenant_id: str, body) -> None:
 
 
 def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut:
+    quotas = request.app.state.quotas
+    quotas.job(tenant_id)
+    if kind in ("t3", "asu"):
+        quotas.stored(tenant_id, "heads" if kind == "t3" else "asu_weights", kind)
     job_id = request.app.state.jobs.submit(tenant_id, kind, params)
     return _job_out(request.app.state.store.get("jobs", tenant_id, job_id))
 
@@ -234,6 +239,7 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
 
     store = request.app.state.store
     data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    request.app.state.quotas.stored(tenant_id, table)
     item_id = new_id(prefix)
     path = store.head_path(item_id) if table == "heads" else store.asu_path(item_id)
     atomic_write_bytes(path, data)

@@ -28,5 +28,12 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(50 * 2**20, gt=0, description="Largest dataset upload; more answer 413.")
     max_request_bytes: int = Field(2**20, gt=0, description="Largest JSON request body; more answer 413.")
     body_timeout: float = Field(30.0, gt=0, description="Seconds a request body may stall; then 408.")
+    quota_datasets: int = Field(100, gt=0, description="Datasets a tenant may hold; more answer 429.")
+    quota_dataset_bytes: int = Field(2**30, gt=0, description="Bytes of datasets a tenant may hold.")
+    quota_heads: int = Field(100, gt=0, description="Heads a tenant may hold (counting jobs that will add one).")
+    quota_asu_weights: int = Field(20, gt=0, description="ASU weights a tenant may hold (likewise).")
+    quota_jobs: int = Field(4, gt=0, description="Queued or running jobs per tenant; jobs run fairly by tenant.")
+    quota_rows: int = Field(32, gt=0, description="Generation requests in flight per tenant (and for anonymous "
+                                                 "callers together); more answer 429 with Retry-After.")
     head_cache_size: int = Field(64, gt=0, description="Heads kept in memory (least recently used go first).")
     adapter_cache_size: int = Field(16, gt=0, description="ASU adapters attached to the model at most.")

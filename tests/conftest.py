@@ -9,6 +9,7 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+os.environ.pop("LETHE_URL", None)  # offline CLI tests run offline even where a developer exported a server URL
 
 TINY = dict(hidden_size=64, layers=2, heads=4, intermediate_size=128, vocab_size=768, batch_size=8, lr=3e-3,
             warmup_steps=20)

@@ -1,0 +1,150 @@
+"""Offline and server mode are chosen explicitly, and the unlearning asked for is never silently dropped.
+
+With a server URL (--url or $LETHE_URL) the dual commands (generate, heads train, asu train, eval, bench soak)
+run on the server, and offline-only options (--model, --out, --head, --asu, ...) are refused with exit 2 rather
+than ignored; --local runs them offline despite $LETHE_URL. Server-only options (--profile, --stream, --wait)
+offline are refused too. A missing or unreadable head, ASU weights file or profile is an error in every mode.
+"""
+
+import json
+
+import pytest
+
+from clients.cli import main
+from clients.client import Lethe
+from heads.demo.corpus import split_by_author
+from heads.modelio import load_model
+from live_server import ADMIN_KEY, running_server
+from server.settings import DEMO_MODEL
+
+PROMPT = "Question: hello\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    """The shipped demo model: loads in a fraction of a second, no build needed."""
+    return DEMO_MODEL
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with running_server(load_model(model_dir), tmp_path_factory.mktemp("data")) as url:
+        key = Lethe(url, key=ADMIN_KEY).create_tenant("modes").api_key
+        yield url, key
+
+
+@pytest.fixture(scope="module")
+def sets(tiny_records, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sets")
+    forget, retain = split_by_author(tiny_records, 1)
+    for name, recs in (("forget", forget), ("retain", retain)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(folder / "forget.jsonl"), str(folder / "retain.jsonl")
+
+
+@pytest.fixture
+def on_server(server, monkeypatch):
+    """$LETHE_URL and $LETHE_KEY exported, as the README's walkthrough has them."""
+    url, key = server
+    monkeypatch.setenv("LETHE_URL", url)
+    monkeypatch.setenv("LETHE_KEY", key)
+    return url, key
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.delenv("LETHE_URL", raising=False)
+    monkeypatch.delenv("LETHE_KEY", raising=False)
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse's own usage errors
+        rc = e.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def server_state(url: str, key: str) -> tuple[list, list]:
+    with Lethe(url, key=key) as c:
+        return c.list_jobs(), c.list_datasets()
+
+
+def test_lethe_url_with_offline_options_is_refused_and_nothing_reaches_the_server(on_server, sets, model_dir,
+                                                                                  tmp_path, capsys):
+    url, key = on_server
+    forget, retain = sets
+    out = tmp_path / "head.safetensors"
+    rc, stdout, err = run(capsys, "heads", "train", "--model", str(model_dir), "--forget", forget,
+                          "--retain", retain, "--out", str(out), "--quiet")
+    assert rc == 2, "a server URL with --model/--out is bad usage, not a server job that writes no file"
+    assert "--model" in err and "--out" in err and "$LETHE_URL" in err and "--local" in err, err
+    assert not out.exists() and stdout == ""
+    rc, _, err = run(capsys, "asu", "train", "--forget", forget, "--retain", retain, "--out", str(out))
+    assert rc == 2 and "--out" in err and "--local" in err
+    rc, stdout, err = run(capsys, "generate", "--head", str(tmp_path / "missing.safetensors"), PROMPT)
+    assert rc == 2 and stdout == "", "the base model's answer must not be printed in place of the head's"
+    assert "--head" in err and "--local" in err and "--profile" in err, err
+    rc, stdout, err = run(capsys, "generate", "--model", str(model_dir), "--asu", str(out), "--T", "2", PROMPT)
+    assert rc == 2 and stdout == "" and all(f in err for f in ("--model", "--asu", "--T")), err
+    rc, _, err = run(capsys, "eval", "--forget", forget, "--retain", retain, "--out", str(tmp_path / "r.json"))
+    assert rc == 2 and "--out" in err
+    assert server_state(url, key) == ([], []), "no job was started and no dataset uploaded"
+    rc, _, err = run(capsys, "--url", url, "generate", "--local", PROMPT)
+    assert rc == 2 and "--local" in err and "--url" in err, "--local and an explicit --url contradict"
+    rc, _, err = run(capsys, "--url", url, "demo", "corpus", "--out", str(tmp_path / "c"))
+    assert rc == 2 and "offline" in err and not (tmp_path / "c").exists(), "an offline-only command refuses --url"
+
+
+def test_local_runs_offline_despite_lethe_url_and_writes_the_file(on_server, sets, model_dir, tmp_path, capsys):
+    url, key = on_server
+    forget, retain = sets
+    head = tmp_path / "head.safetensors"
+    rc, stdout, err = run(capsys, "heads", "train", "--local", "--model", str(model_dir), "--forget", forget,
+                          "--retain", retain, "--out", str(head), "--rank", "4", "--epochs", "3", "--quiet")
+    assert rc == 0, err
+    assert head.is_file() and json.loads(stdout)["out"] == str(head)
+    rc, stdout, err = run(capsys, "generate", "--local", "--model", str(model_dir), "--head", str(head),
+                          "--max-new-tokens", "4", PROMPT)
+    assert rc == 0 and stdout.strip(), err
+    rc, stdout, err = run(capsys, "generate", "--local", "--model", str(model_dir),
+                          "--head", str(tmp_path / "missing.safetensors"), PROMPT)
+    assert rc == 1 and stdout == "" and "missing.safetensors" in err
+    assert server_state(url, key) == ([], []), "--local never touched the server"
+    rc, stdout, err = run(capsys, "generate", "--max-new-tokens", "4", PROMPT)
+    assert rc == 0 and stdout.strip(), "without offline options, $LETHE_URL still means the server (walkthrough)"
+
+
+@pytest.mark.parametrize("flag", ["--head", "--asu"])
+def test_missing_or_garbage_head_or_weights_offline_is_an_error(offline, flag, model_dir, tmp_path, capsys):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"this is not a safetensors file at all")
+    for path in (tmp_path / "missing.safetensors", garbage):
+        rc, stdout, err = run(capsys, "generate", "--model", str(model_dir), flag, str(path), PROMPT)
+        assert rc == 1, f"{flag} {path.name}: exit {rc}"
+        assert stdout == "", "nothing generated without the unlearning asked for"
+        assert path.name in err, err
+
+
+def test_server_options_offline_are_refused(offline, sets, model_dir, tmp_path, capsys, monkeypatch):
+    forget, retain = sets
+    rc, stdout, err = run(capsys, "generate", "--model", str(model_dir), "--profile", "forget-demo", PROMPT)
+    assert rc == 2 and stdout == "", "--profile offline must not fall back to the base model"
+    assert "--profile" in err and "--url" in err and "LETHE_URL" in err, err
+    rc, _, err = run(capsys, "generate", "--model", str(model_dir), "--stream", PROMPT)
+    assert rc == 2 and "--stream" in err
+    rc, _, err = run(capsys, "heads", "train", "--model", str(model_dir), "--forget", forget, "--retain", retain,
+                     "--wait", "--out", str(tmp_path / "h.safetensors"))
+    assert rc == 2 and "--wait" in err and not (tmp_path / "h.safetensors").exists()
+    monkeypatch.setenv("LETHE_URL", "http://127.0.0.1:9")  # never contacted: --local
+    rc, stdout, err = run(capsys, "generate", "--local", "--model", str(model_dir), "--profile", "p", PROMPT)
+    assert rc == 2 and stdout == "" and "--profile" in err and "--local" in err
+
+
+def test_unknown_profile_on_the_server_is_an_error(on_server, capsys):
+    for stream in ([], ["--stream"]):
+        rc, stdout, err = run(capsys, "generate", "--profile", "no-such-profile", *stream, PROMPT)
+        assert rc == 1, f"exit {rc} {stream}"
+        assert stdout.strip() == "", "no text when the profile does not exist"
+        assert "404" in err and "no-such-profile" in err, err
