@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from heads.io import atomic_write_bytes
@@ -387,7 +387,8 @@ def get_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
 
 
 @router.post("/v1/profiles/{name}/rollback", response_model=ProfileOut, tags=["profiles"])
-def rollback_profile(name: str, request: Request, version: int | None = None, tenant_id: str = Depends(tenant)):
+def rollback_profile(name: str, request: Request, version: int | None = Query(None, ge=1, le=2**31),
+                     tenant_id: str = Depends(tenant)):
     """Make an earlier version current (default: the one before the current one)."""
     store = request.app.state.store
     current = store.current_profile(tenant_id, name)
