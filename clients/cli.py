@@ -122,8 +122,8 @@ _PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "candidates", "cap", "no
 
 def _profile(args, lm):
     """(head, settings) from the command line; settings default to the head's recommended ones."""
-    from heads.guide import PRESETS, TiltSettings
-    from heads.head import load_head
+    from heads.t3.guide import PRESETS, TiltSettings
+    from heads.t3.head import load_head
 
     if args.head is None:
         if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates, args.cap)):
@@ -141,17 +141,17 @@ def _with_asu(args, lm):
         return lm
     from dataclasses import replace
 
-    from heads.asu import attach, load_asu
+    from heads.asu.weights import attach, load_asu
 
     tensors, info = load_asu(args.asu, lm.fingerprint)
     return replace(lm, model=attach(lm.model, "asu_cli", tensors, info))
 
 
 def cmd_generate(args) -> int:
-    from heads.decode import generate_chunked
-    from heads.guide import HeadGuide
+    from heads.decoding.decode import generate_chunked
+    from heads.t3.guide import HeadGuide
     from heads.modelio import load_model
-    from heads.sampling import SamplingParams
+    from heads.decoding.sampling import SamplingParams
 
     lm = load_model(args.model, args.device, args.dtype)
     head, settings = _profile(args, lm)
@@ -191,9 +191,9 @@ def _offline_inputs(args, command: str):
 
 
 def cmd_heads_train(args) -> int:
-    from heads.head import save_head
-    from heads.t3 import train_head
-    from heads.train import FitConfig
+    from heads.t3.head import save_head
+    from heads.t3.pipeline import train_head
+    from heads.t3.train import FitConfig
 
     lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
@@ -205,9 +205,9 @@ def cmd_heads_train(args) -> int:
 
 
 def cmd_heads_import(args) -> int:
-    from heads.head import save_head
+    from heads.t3.head import save_head
     from heads.modelio import load_model
-    from heads.reference import import_reference
+    from heads.t3.reference import import_reference
 
     lm = load_model(args.model, args.device, args.dtype)
     cfg = lm.model.config
@@ -219,7 +219,7 @@ def cmd_heads_import(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from heads.evaluate import EvalConfig, Profile, evaluate, plot_reports
+    from heads.evaluation.evaluate import EvalConfig, Profile, evaluate, plot_reports
     from heads.io import atomic_write_text
     from heads.modelio import load_model
     from heads.records import read_jsonl
@@ -249,10 +249,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench_t3(args) -> int:
-    from heads.bench import bench_t3
+    from heads.evaluation.bench import bench_t3
     from heads.modelio import load_model
     from heads.records import read_jsonl
-    from heads.t3 import train_head
+    from heads.t3.pipeline import train_head
 
     lm = load_model(args.model, args.device, args.dtype)
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
@@ -260,7 +260,7 @@ def cmd_bench_t3(args) -> int:
     if head is None and not args.random_model:
         head, _ = train_head(lm, forget, retain, progress=False)
     if args.random_model:
-        from heads.bench import random_model
+        from heads.evaluation.bench import random_model
 
         result = {"models": []}
         for hidden, layers in args.random_model:
@@ -275,7 +275,7 @@ def cmd_bench_t3(args) -> int:
         if args.asu:  # decode the same base with the adapter attached (a copy, so the no-adapter runs stay plain)
             import copy
 
-            from heads.asu import attach, load_asu
+            from heads.asu.weights import attach, load_asu
 
             tensors, info = load_asu(args.asu, lm.fingerprint)
             asu_model = attach(copy.deepcopy(lm.model), "asu_bench", tensors, info)
@@ -337,8 +337,8 @@ def _table_run(args, header, row, make_rows) -> list:
 
 
 def cmd_bench_quality(args) -> int:
-    from heads.ablation import markdown_header, markdown_row, quality_table
-    from heads.evaluate import EvalConfig, plot_reports
+    from heads.evaluation.ablation import markdown_header, markdown_row, quality_table
+    from heads.evaluation.evaluate import EvalConfig, plot_reports
 
     rows = _table_run(args, markdown_header, markdown_row, lambda lm, ref, f, r, log: quality_table(
         lm, ref, f, r, EvalConfig(seeds=tuple(args.seeds)), log=log))
@@ -348,7 +348,8 @@ def cmd_bench_quality(args) -> int:
 
 
 def cmd_asu_train(args) -> int:
-    from heads.asu import ASUConfig, save_asu, train_asu
+    from heads.asu.distill import ASUConfig, train_asu
+    from heads.asu.weights import save_asu
 
     lm, forget, retain = _offline_inputs(args, "asu train")
     cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
@@ -364,8 +365,8 @@ def cmd_asu_train(args) -> int:
 
 
 def cmd_bench_asu(args) -> int:
-    from heads.ablation import asu_header, asu_row, asu_table
-    from heads.evaluate import EvalConfig
+    from heads.evaluation.ablation import asu_header, asu_row, asu_table
+    from heads.evaluation.evaluate import EvalConfig
 
     _table_run(args, asu_header, asu_row, lambda lm, ref, f, r, log: asu_table(
         lm, ref, f, r, tuple(args.tau), EvalConfig(seeds=()), log=log))

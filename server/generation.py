@@ -11,8 +11,8 @@ from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from heads.decode import Completion
-from heads.sampling import SamplingParams
+from heads.decoding.decode import Completion
+from heads.decoding.sampling import SamplingParams
 from server.engine import Engine, Pending
 from server.profiles import ProfileError, Resolved, resolve
 

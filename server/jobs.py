@@ -14,11 +14,11 @@ import queue
 import threading
 import time
 
-from heads.head import save_head
+from heads.t3.head import save_head
 from heads.io import crash_point
 from heads.records import read_jsonl
-from heads.t3 import quick_check, train_head
-from heads.train import FitConfig
+from heads.t3.pipeline import quick_check, train_head
+from heads.t3.train import FitConfig
 from server.storage import Store, new_id
 
 log = logging.getLogger("lethe.jobs")
@@ -159,9 +159,9 @@ class JobRunner:
     def _evaluate(self, job: dict, cancel: threading.Event) -> None:
         from dataclasses import replace
 
-        from heads.asu import attach, load_asu
-        from heads.evaluate import EvalConfig, Profile, evaluate
-        from heads.guide import TiltSettings
+        from heads.asu.weights import attach, load_asu
+        from heads.evaluation.evaluate import EvalConfig, Profile, evaluate
+        from heads.t3.guide import TiltSettings
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
@@ -201,7 +201,8 @@ class JobRunner:
                           info.__dict__, info.metrics)
 
     def _train_asu(self, job: dict, cancel: threading.Event) -> None:
-        from heads.asu import ASUConfig, save_asu, train_asu
+        from heads.asu.distill import ASUConfig, train_asu
+        from heads.asu.weights import save_asu
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)

@@ -13,9 +13,9 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from pydantic import ConfigDict, Field, StrictBool
 
-from heads.decode import Completion
+from heads.decoding.decode import Completion
 from heads.records import PROMPT_FORMAT
-from heads.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, SamplingParams
+from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, SamplingParams
 from server.auth import optional_tenant
 from server.generation import admit, complete, field_error, stream
 from server.protocol import MAX_PROMPT_CHARS, StopString, ValidText

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from heads.guide import PRESETS, TiltSettings
-from heads.head import BaseMismatch, HeadFileError, T3Head, load_head
+from heads.t3.guide import PRESETS, TiltSettings
+from heads.t3.head import BaseMismatch, HeadFileError, T3Head, load_head
 from heads.modelio import LoadedModel
 from server.storage import Store
 
@@ -51,12 +51,12 @@ class AdapterCache:
 
     Each request pins the adapter it was admitted with until it ends: the least recently used adapter
     beyond `size` is detached only once nothing pins it, and deleting weights detaches them only after the
-    last request using them has finished. Files are checked completely (`heads.asu.check_asu`) against the
+    last request using them has finished. Files are checked completely (`heads.asu.weights.check_asu`) against the
     projection shapes read from the base model at start, before anything is attached; `attach` is all or
     nothing, so a refused or failed attach leaves the model exactly as it was."""
 
     def __init__(self, store: Store, engine, size: int):
-        from heads.asu import projection_shapes
+        from heads.asu.weights import projection_shapes
 
         self.store, self.engine, self.size = store, engine, size
         self.shapes = projection_shapes(engine.lm.model)
@@ -69,7 +69,7 @@ class AdapterCache:
 
     def load(self, weights_id: str):
         """(tensors, info) of stored weights, checked against this model; ProfileError otherwise."""
-        from heads.asu import load_asu
+        from heads.asu.weights import load_asu
 
         try:
             return load_asu(self.store.asu_path(weights_id), self.engine.lm.fingerprint, self.shapes, self.n_layers)
@@ -88,7 +88,7 @@ class AdapterCache:
 
         `_attaching` serialises attaches (and is held while the engine thread attaches); `_lock` guards the
         tables and is only ever held briefly, so `release`, which may run in the engine thread, never waits."""
-        from heads.asu import attach
+        from heads.asu.weights import attach
 
         self.check(tenant_id, weights_id)
         with self._attaching:
@@ -139,7 +139,7 @@ class AdapterCache:
         return name, release
 
     def _detach_now(self, name: str) -> None:
-        from heads.asu import detach
+        from heads.asu.weights import detach
 
         detach(self.engine.lm.model, name)
 

@@ -148,7 +148,7 @@ def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(
 @router.post("/v1/asu", response_model=JobOut, status_code=202, tags=["asu"])
 def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
-    from heads.attention import parse_layers
+    from heads.asu.attention import parse_layers
 
     _check_datasets(request.app.state.store, tenant_id, body)
     n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
@@ -235,7 +235,7 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
     nothing stays behind (no file, no row)."""
     from starlette.concurrency import run_in_threadpool
 
-    from heads.head import BaseMismatch, HeadFileError
+    from heads.t3.head import BaseMismatch, HeadFileError
 
     store = request.app.state.store
     data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
@@ -262,7 +262,7 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
 @router.post("/v1/heads/upload", response_model=HeadOut, status_code=201, tags=["heads"])
 async def upload_head(request: Request, tenant_id: str = Depends(tenant)) -> HeadOut:
     """Upload a head file made offline (`lethe heads train`); checked against this server's model."""
-    from heads.head import load_head
+    from heads.t3.head import load_head
 
     cfg, fingerprint = request.app.state.engine.lm.model.config, request.app.state.engine.lm.fingerprint
     return await _upload_trained(request, tenant_id, "heads", "head", lambda path: load_head(
@@ -275,7 +275,7 @@ async def upload_asu(request: Request, tenant_id: str = Depends(tenant)) -> ASUO
     (every tensor fits a module, shapes, dtypes, rank and magnitudes) before it is stored."""
     from dataclasses import asdict
 
-    from heads.asu import load_asu
+    from heads.asu.weights import load_asu
 
     adapters = request.app.state.adapters
     fingerprint = request.app.state.engine.lm.fingerprint

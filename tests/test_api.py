@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from heads.demo.corpus import split_by_author
-from heads.metrics import rouge_l_recall
+from heads.evaluation.metrics import rouge_l_recall
 from heads.modelio import load_model
 from heads.records import question_prompt
 from live_server import new_tenant, running_server

@@ -7,13 +7,14 @@ import torch
 from safetensors.torch import save_file
 
 from clients.cli import main
-from heads.asu import ASUConfig, attach, load_asu, save_asu, train_asu
-from heads.decode import generate
+from heads.asu.distill import ASUConfig, train_asu
+from heads.asu.weights import attach, load_asu, save_asu
+from heads.decoding.decode import generate
 from heads.demo.corpus import split_by_author
-from heads.head import BaseMismatch, HeadFileError
+from heads.t3.head import BaseMismatch, HeadFileError
 from heads.modelio import load_model
 from heads.records import question_prompt
-from heads.sampling import SamplingParams
+from heads.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0)
 

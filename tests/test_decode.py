@@ -1,8 +1,8 @@
 import torch
 
-from heads.decode import generate
+from heads.decoding.decode import generate
 from heads.records import question_prompt
-from heads.sampling import SamplingParams, logits_to_probs
+from heads.decoding.sampling import SamplingParams, logits_to_probs
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
 
@@ -84,9 +84,9 @@ def test_logits_to_probs_matches_an_independent_top_k_top_p():
 
 
 def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, tiny_records):
-    from heads.decode import Batch
-    from heads.guide import HeadGuide, TiltSettings
-    from heads.head import T3Head
+    from heads.decoding.decode import Batch
+    from heads.t3.guide import HeadGuide, TiltSettings
+    from heads.t3.head import T3Head
 
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     head = T3Head(model.config.hidden_size, model.config.vocab_size, 4)

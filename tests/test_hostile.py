@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from heads.head import HeadInfo, T3Head, save_head
+from heads.t3.head import HeadInfo, T3Head, save_head
 from heads.records import question_prompt
 from live_server import ADMIN_KEY
 from server.app import create_app

@@ -16,13 +16,13 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
-from heads.asu import TARGETS, ASUInfo, expected_tensors, projection_shapes, save_asu
-from heads.decode import Batch
-from heads.guide import HeadGuide, TiltSettings
-from heads.head import HeadInfo, T3Head, save_head
+from heads.asu.weights import TARGETS, ASUInfo, expected_tensors, projection_shapes
+from heads.decoding.decode import Batch
+from heads.t3.guide import HeadGuide, TiltSettings
+from heads.t3.head import HeadInfo, T3Head, save_head
 from heads.modelio import load_model
 from heads.records import question_prompt
-from heads.sampling import SamplingParams
+from heads.decoding.sampling import SamplingParams
 from live_server import ADMIN_KEY, new_tenant, running_server
 from server.app import create_app
 from server.engine import Engine, Pending

@@ -137,7 +137,7 @@ def test_generation_observes_time_to_first_token_and_running_rows(client, tiny_r
 
 
 def test_engine_observes_one_first_token_per_request_in_a_shared_batch(tiny_lm, tiny_records):
-    from heads.sampling import SamplingParams
+    from heads.decoding.sampling import SamplingParams
     from server.engine import Engine, Pending
     from server.metrics import Metrics
 

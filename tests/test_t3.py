@@ -8,17 +8,17 @@ import torch
 from safetensors.torch import save_file
 
 from clients.cli import main
-from heads.cache import build_cache
-from heads.decode import generate
+from heads.t3.cache import build_cache
+from heads.decoding.decode import generate
 from heads.demo.corpus import split_by_author
-from heads.guide import PRESETS, HeadGuide, TiltSettings
-from heads.head import BaseMismatch, HeadFileError, HeadInfo, T3Head, load_head, save_head
-from heads.metrics import rouge_l_recall
+from heads.t3.guide import PRESETS, HeadGuide, TiltSettings
+from heads.t3.head import BaseMismatch, HeadFileError, HeadInfo, T3Head, load_head, save_head
+from heads.evaluation.metrics import rouge_l_recall
 from heads.records import examples, question_prompt
-from heads.reference import import_reference
-from heads.sampling import SamplingParams
-from heads.t3 import train_head
-from heads.tilt import guided_logits
+from heads.t3.reference import import_reference
+from heads.decoding.sampling import SamplingParams
+from heads.t3.pipeline import train_head
+from heads.t3.tilt import guided_logits
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from heads.decode import generate_chunked
+from heads.decoding.decode import generate_chunked
 from heads.io import atomic_write, atomic_write_text
-from heads.metrics import rouge_l_recall
+from heads.evaluation.metrics import rouge_l_recall
 from heads.records import Example, encode_example
-from heads.sampling import SamplingParams
+from heads.decoding.sampling import SamplingParams
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from heads.cache import build_cache
-from heads.guide import PRESETS, TiltSettings
-from heads.head import HeadInfo, T3Head
+from heads.t3.cache import build_cache
+from heads.t3.guide import PRESETS, TiltSettings
+from heads.t3.head import HeadInfo, T3Head
 from heads.modelio import LoadedModel
 from heads.records import PROMPT_FORMAT, examples
-from heads.train import FitConfig, fit_head
+from heads.t3.train import FitConfig, fit_head
 
 
 def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: FitConfig | None = None,
@@ -43,11 +43,11 @@ def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[
     TOFU fields: a first look at whether the head forgets and keeps what it should."""
     import statistics
 
-    from heads.decode import generate_chunked
-    from heads.guide import HeadGuide
-    from heads.metrics import rouge_l_recall
+    from heads.decoding.decode import generate_chunked
+    from heads.t3.guide import HeadGuide
+    from heads.evaluation.metrics import rouge_l_recall
     from heads.records import question_prompt
-    from heads.sampling import SamplingParams
+    from heads.decoding.sampling import SamplingParams
 
     out = {}
     guide = HeadGuide.uniform(head, TiltSettings.from_dict(PRESETS["default"].as_dict()))

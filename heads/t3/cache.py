@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from heads.decode import forward_last_hidden
+from heads.decoding.decode import forward_last_hidden
 from heads.records import Example, encode_example
 
 

@@ -3,7 +3,7 @@
 `TiltSettings` is what a profile chooses (T, lam, and Lethe's gate and
 candidate restriction). `HeadGuide` is the decode loop's `Guide`: it groups the
 rows by head, runs each head once on its rows' pooled states and applies
-`heads.tilt.tilt_candidates` (or `heads.tilt.tilt` over the whole vocabulary when
+`heads.t3.tilt.tilt_candidates` (or `heads.t3.tilt.tilt` over the whole vocabulary when
 a row turns candidates off). Rows without a head keep the model's logits untouched.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from heads import fused as fused_kernel
-from heads.head import T3Head
-from heads.tilt import candidates_of, tilt, tilt_candidates
+from heads.t3 import fused as fused_kernel
+from heads.t3.head import T3Head
+from heads.t3.tilt import candidates_of, tilt, tilt_candidates
 
 
 MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares
@@ -79,7 +79,7 @@ class HeadGuide:
     """A `Guide` for a batch whose rows may each carry a different head and settings (or none).
 
     The per-group tensors (row indices, T, lam, k, gate switch) are built once, not at every step.
-    `fused`: on the CPU, run each group's step as one compiled kernel (`heads.fused`); None: unless
+    `fused`: on the CPU, run each group's step as one compiled kernel (`heads.t3.fused`); None: unless
     LETHE_FUSED_TILT=0. False keeps the tensor operations (for comparison, and on other devices anyway).
     """
 
@@ -139,7 +139,7 @@ class _Group:
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
     dense: tuple | None  # (T, lam, k, cap, gate switch) as (B,) vectors for `tilt`, when k == 0
-    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.fused.TiltKernel`, CPU
+    fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,

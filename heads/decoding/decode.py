@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from heads.sampling import SamplingParams, make_generator, sample
+from heads.decoding.sampling import SamplingParams, make_generator, sample
 
 
 class Guide(Protocol):
@@ -118,7 +118,7 @@ class Batch:
     def _adapters(self):
         if self.adapters is None:  # the common case: no per-row adapters, nothing to set up per step
             return nullcontext()
-        from heads.asu import adapters
+        from heads.asu.weights import adapters
 
         return adapters(self.model, self.adapters)
 
@@ -171,7 +171,7 @@ class Batch:
             rows = getattr(self.guide, "rows", None)
             if not rows or getattr(self.guide, "same", None) is not None:
                 raise  # not per-row: nothing to isolate
-        from heads.guide import HeadGuide
+        from heads.t3.guide import HeadGuide
 
         rows, fused = list(rows), getattr(self.guide, "fused", None)
         for i, row in enumerate(rows):
@@ -239,7 +239,7 @@ class Batch:
                 (other.adapters or ["__base__"] * len(other.rows))
         self.rows += other.rows
         if self.guide is not None or other.guide is not None:
-            from heads.guide import HeadGuide
+            from heads.t3.guide import HeadGuide
 
             mine = self.guide.rows if self.guide is not None else [None] * (len(self.rows) - len(other.rows))
             theirs = other.guide.rows if other.guide is not None else [None] * len(other.rows)
@@ -265,7 +265,7 @@ class Batch:
         if self.adapters is not None:
             self.adapters = [self.adapters[i] for i in keep]
         if self.guide is not None:
-            from heads.guide import HeadGuide
+            from heads.t3.guide import HeadGuide
 
             self.guide = HeadGuide([self.guide.rows[i] for i in keep], getattr(self.guide, "fused", None))
         return keep

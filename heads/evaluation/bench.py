@@ -3,7 +3,7 @@
 * decoding with a head vs the same loop without one, at batch 1 and batch 8, beside a control (a
   guide that returns the logits unchanged: the loop's cost of calling a guide at all, and a gauge
   of the machine's noise) and the head's step as tensor operations instead of the CPU kernel of
-  `heads.fused`;
+  `heads.t3.fused`;
 * Lethe's greedy loop vs transformers' `model.generate` on the same prompts and token counts;
 * caching + fitting a head vs one epoch of the reference's training (a full base forward over
   every record each epoch, 100 epochs by default).
@@ -20,13 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from heads.cache import build_cache
-from heads.decode import generate
-from heads.guide import HeadGuide, TiltSettings
-from heads.head import T3Head
+from heads.t3.cache import build_cache
+from heads.decoding.decode import generate
+from heads.t3.guide import HeadGuide, TiltSettings
+from heads.t3.head import T3Head
 from heads.records import examples, question_prompt
-from heads.sampling import SamplingParams
-from heads.train import FitConfig, fit_head
+from heads.decoding.sampling import SamplingParams
+from heads.t3.train import FitConfig, fit_head
 
 
 def _timed_runs(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:

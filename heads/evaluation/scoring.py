@@ -1,7 +1,7 @@
 """Teacher-forced scoring: the mean per-token NLL of completions under a model, with or without a T3 head.
 
 With a head, each position's distribution is the profile's guided one
-(`heads.tilt.tilt`, without the candidate restriction: like top-k, that is a
+(`heads.t3.tilt.tilt`, without the candidate restriction: like top-k, that is a
 decoding truncation, and a truncated distribution gives some answers zero
 probability). The pooled state at each position is the running mean of the
 final hidden states up to it, exactly as during decoding.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from heads.decode import forward_last_hidden
-from heads.guide import TiltSettings
-from heads.head import T3Head
+from heads.decoding.decode import forward_last_hidden
+from heads.t3.guide import TiltSettings
+from heads.t3.head import T3Head
 from heads.records import Example, encode_example
-from heads.tilt import tilt
+from heads.t3.tilt import tilt
 
 
 @torch.inference_mode()

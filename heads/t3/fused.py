@@ -2,7 +2,7 @@
 
 Per row: the base model's k likeliest tokens, the head's down projection and
 probe on the pooled state, the head's logits at the candidates, then
-`heads.tilt.tilt_candidates` (gate, tempering, tilt, cap), written over the
+`heads.t3.tilt.tilt_candidates` (gate, tempering, tilt, cap), written over the
 vocabulary (-inf outside the candidates). The same computation as
 `HeadGuide`'s tensor operations, in one call instead of about twenty: on a small
 model each tensor operation costs microseconds of dispatch, which on the 3.6M

@@ -20,13 +20,13 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from heads.decode import generate_chunked
-from heads.guide import HeadGuide, TiltSettings
-from heads.head import T3Head
-from heads.metrics import rouge_l_recall
+from heads.decoding.decode import generate_chunked
+from heads.t3.guide import HeadGuide, TiltSettings
+from heads.t3.head import T3Head
+from heads.evaluation.metrics import rouge_l_recall
 from heads.records import Example, question_prompt
-from heads.sampling import SamplingParams
-from heads.scoring import completion_nll
+from heads.decoding.sampling import SamplingParams
+from heads.evaluation.scoring import completion_nll
 
 WORD = re.compile(r"[a-z]+")
 

@@ -179,7 +179,7 @@ def parse_info(cls, raw: str, path: Path):
 def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None = None,
               d: int | None = None) -> tuple[T3Head, HeadInfo]:
     """Read and check a head file; `base_fingerprint`, `vocab`, `d` are what the serving model has."""
-    from heads.guide import TiltSettings
+    from heads.t3.guide import TiltSettings
 
     tensors, raw = read_lethe_file(path, "head")
     info = parse_info(HeadInfo, raw, path)

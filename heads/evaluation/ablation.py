@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from heads.evaluate import EvalConfig, Profile, corpus_vocabulary, evaluate, truth_ratios
-from heads.guide import PRESETS
-from heads.t3 import train_head
-from heads.train import FitConfig
+from heads.evaluation.evaluate import EvalConfig, Profile, corpus_vocabulary, evaluate, truth_ratios
+from heads.t3.guide import PRESETS
+from heads.t3.pipeline import train_head
+from heads.t3.train import FitConfig
 
 COLUMNS = [("forget", "rouge", "forget ROUGE"), ("forget", "rouge_sampled", "forget ROUGE sampled"),
            ("forget", "rouge_paraphrased", "forget ROUGE para."), ("retain", "rouge", "retain ROUGE"),
@@ -76,7 +76,9 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
     import time
     from dataclasses import replace as dc_replace
 
-    from heads.asu import ASUConfig, attach, train_asu
+    from heads.asu.distill import ASUConfig, train_asu
+
+    from heads.asu.weights import attach
 
     cfg = cfg or EvalConfig()
     vocab = corpus_vocabulary(forget + retain)

@@ -1,0 +1,221 @@
+"""ASU (Attention Smoothing Unlearning): self-distillation towards a tempered-attention teacher.
+
+Teacher: the frozen model with attention at temperature tau in chosen layers (heads.asu.attention).
+Student: the same base plus LoRA adapters (peft) on every attention and MLP projection
+(`q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`, rank 8 by default: the projections
+carry what attention reads and writes, and rank 8 keeps the file a few percent of the base).
+Loss: KL(teacher || student) over the vocabulary at the forget set's answer positions, plus a
+weighted retain loss on the retain set: `gd` (NLL of the retain answers) or `kl` (KL to the
+original model). The teacher is frozen, so its distributions are computed once, before training.
+The result is the adapter tensors and their `ASUInfo` (heads.asu.weights: the file and serving).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from heads.asu.attention import parse_layers, tempered, use_tempered_attention
+from heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
+from heads.records import Example, encode_example, examples
+
+
+@dataclass
+class ASUConfig:
+    tau: float = 16.0  # on the demo, tau = 4 barely changes the teacher's answers; 16 breaks them
+    layers: str | None = None  # "0-1,3"; None: every layer
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    target_modules: tuple[str, ...] = TARGETS
+    full_layers: str | None = None  # "0-1": train these layers' projections fully instead of LoRA adapters
+    retain_loss: str = "gd"  # gd | kl
+    retain_weight: float = 1.0
+    lr: float = 2e-3
+    steps: int = 300
+    batch_size: int = 8
+    check_every: int = 25
+    patience: int = 4  # checks without a 1% fall of the forget KL before stopping
+    seed: int = 0
+
+
+def _batch(tokenizer, exs: list[Example], device):
+    """Right-padded ids, mask, and per example the positions that predict its completion."""
+    enc = [encode_example(tokenizer, e) for e in exs]
+    width = max(len(ids) for ids, _ in enc)
+    ids = torch.full((len(enc), width), tokenizer.pad_token_id or 0)
+    mask = torch.zeros((len(enc), width), dtype=torch.long)
+    spans = []
+    for r, (seq, n_prompt) in enumerate(enc):
+        ids[r, :len(seq)] = torch.tensor(seq)
+        mask[r, :len(seq)] = 1
+        spans.append((n_prompt - 1, len(seq) - 1))
+    return ids.to(device), mask.to(device), spans
+
+
+def _answer_logits(model, ids, mask, spans) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits at answer positions, next tokens), each example's positions concatenated."""
+    positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    rows = torch.cat([torch.full((b - a,), r, device=ids.device) for r, (a, b) in enumerate(spans)])
+    cols = torch.cat([torch.arange(a, b, device=ids.device) for a, b in spans])
+    return logits[rows, cols].float(), ids[rows, cols + 1]
+
+
+class _LoRA:
+    """The student as LoRA adapters (peft) on the base."""
+
+    def __init__(self, model, info: "ASUInfo"):
+        from peft import get_peft_model
+
+        self.model = get_peft_model(model, lora_config(info))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def original(self):
+        return self.model.disable_adapter()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def restore(self) -> None:
+        self.model.unload()  # the LoRA layers come out again; the base modules are back in place
+
+
+class _FullLayers:
+    """The student as the base with the projections of some layers trained in full; kept as deltas."""
+
+    def __init__(self, model, targets, layers: list[int]):
+        self.model = model
+        self.modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                        and n.rsplit(".", 1)[-1] in targets and (k := _LAYER.search(n)) and int(k.group(1)) in layers}
+        if not self.modules:
+            raise ValueError("full_layers: no projection of those layers found")
+        self.originals = {n: m.weight.detach().clone() for n, m in self.modules.items()}
+        model.requires_grad_(False)
+        self.params = [m.weight.requires_grad_(True) for m in self.modules.values()]
+
+    @contextmanager
+    def original(self):
+        trained = {n: m.weight.data for n, m in self.modules.items()}
+        for n, m in self.modules.items():
+            m.weight.data = self.originals[n]
+        try:
+            yield
+        finally:
+            for n, m in self.modules.items():
+                m.weight.data = trained[n]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{n}.delta": (m.weight.detach() - self.originals[n]).cpu().contiguous() for n, m in self.modules.items()}
+
+    def restore(self) -> None:
+        for n, m in self.modules.items():
+            m.weight.data = self.originals[n]
+            m.weight.requires_grad_(False)
+
+
+def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None = None, progress: bool = True,
+              on_progress=None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
+    """Distil LoRA adapters; returns (adapter tensors, info). `lm.model` is left as it was."""
+    cfg = cfg or ASUConfig()
+    if not forget:
+        raise ValueError("forget: the forget set is empty")
+    if not retain:
+        raise ValueError("retain: the retain set is empty")
+    if cfg.retain_loss not in ("gd", "kl"):
+        raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
+    from peft import PeftModel
+
+    if isinstance(lm.model, PeftModel) or any("lora_" in n for n, _ in lm.model.named_parameters()):
+        raise ValueError("train ASU on the base model, not on one with adapters attached")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    started = time.perf_counter()
+    model, tok, device = lm.model, lm.tokenizer, lm.device
+    layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
+    use_tempered_attention(model)
+    fx, rx = examples(forget), examples(retain)
+    # The teacher never changes: its answer distributions are computed once.
+    teacher = []
+    with torch.no_grad(), tempered(model, cfg.tau, layers):
+        for i in range(0, len(fx), 32):
+            ids, mask, spans = _batch(tok, fx[i:i + 32], device)
+            logits, _ = _answer_logits(model, ids, mask, spans)
+            sizes = [b - a for a, b in spans]
+            teacher += list(torch.log_softmax(logits, -1).to(torch.float16).split(sizes))
+    info = ASUInfo(base_fingerprint=lm.fingerprint, tau=cfg.tau, layers=layers, lora_rank=cfg.lora_rank,
+                   lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), training=asdict(cfg))
+    if cfg.full_layers is not None:
+        info.mode = "full"
+        info.full_layers = parse_layers(cfg.full_layers, model.config.num_hidden_layers)
+        student = _FullLayers(model, cfg.target_modules, info.full_layers)
+    else:
+        student = _LoRA(model, info)
+    peft_model = student.model
+    try:
+        peft_model.train()
+        opt = torch.optim.AdamW(student.params, lr=cfg.lr, weight_decay=0.0)
+
+        def forget_kl(idx: list[int]) -> torch.Tensor:
+            ids, mask, spans = _batch(tok, [fx[i] for i in idx], device)
+            student, _ = _answer_logits(peft_model, ids, mask, spans)
+            t = torch.cat([teacher[i] for i in idx]).float()
+            return F.kl_div(torch.log_softmax(student, -1), t, log_target=True, reduction="batchmean")
+
+        def retain_term(idx: list[int]) -> torch.Tensor:
+            ids, mask, spans = _batch(tok, [rx[i] for i in idx], device)
+            student, target = _answer_logits(peft_model, ids, mask, spans)
+            if cfg.retain_loss == "gd":
+                return F.cross_entropy(student, target)
+            with torch.no_grad(), student.original():
+                original, _ = _answer_logits(peft_model, ids, mask, spans)
+            return F.kl_div(torch.log_softmax(student, -1), torch.log_softmax(original, -1), log_target=True,
+                            reduction="batchmean")
+
+        def full_forget_kl() -> float:
+            with torch.no_grad():
+                peft_model.eval()
+                values = [float(forget_kl(list(range(i, min(i + 32, len(fx)))))) for i in range(0, len(fx), 32)]
+                peft_model.train()
+            return sum(values) / len(values)
+
+        best, stale, history, step = full_forget_kl(), 0, [], 0
+        history.append((0, best))
+        bar = tqdm(range(cfg.steps), desc="distilling", disable=not progress, leave=False)
+        for step in bar:
+            f_idx = rng.sample(range(len(fx)), min(cfg.batch_size, len(fx)))
+            r_idx = rng.sample(range(len(rx)), min(cfg.batch_size, len(rx)))
+            kl, ret = forget_kl(f_idx), retain_term(r_idx)
+            loss = kl + cfg.retain_weight * ret
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            bar.set_postfix(kl=f"{kl.item():.3f}", retain=f"{ret.item():.3f}")
+            if on_progress is not None:
+                on_progress((step + 1) / cfg.steps)
+            if (step + 1) % cfg.check_every == 0:
+                current = full_forget_kl()
+                history.append((step + 1, current))
+                if current < best * 0.99:
+                    best, stale = current, 0
+                else:
+                    stale += 1
+                    if stale >= cfg.patience:
+                        break
+        peft_model.eval()
+        tensors = student.tensors()
+    finally:
+        student.restore()  # the model is the base again
+    info.steps = step + 1
+    info.metrics = {"seconds": round(time.perf_counter() - started, 2), "forget_kl_start": round(history[0][1], 4),
+                    "forget_kl_end": round(history[-1][1], 4),
+                    "forget_kl_history": [[s, round(v, 5)] for s, v in history],
+                    "adapter_parameters": sum(v.numel() for v in tensors.values())}
+    return tensors, info
