@@ -71,6 +71,15 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_models_prepare(args) -> int:
+    from heads.modelio import prepare_gguf
+
+    out = prepare_gguf(args.gguf, args.out, args.dtype)
+    print(json.dumps({"prepared": str(out), "from": str(args.gguf), "dtype": args.dtype,
+                      "fingerprint": json.loads((out / "lethe_model.json").read_text())["fingerprint"]}))
+    return 0
+
+
 def cmd_demo_corpus(args) -> int:
     from heads.demo.corpus import make_corpus, split_by_author, write_jsonl
 
@@ -458,6 +467,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=None, help="metadata, datasets and heads (default ./lethe-data)")
     p.set_defaults(func=cmd_serve)
 
+    models = sub.add_parser("models", help="models users have: prepare a GGUF file once for fast starts"
+                            ).add_subparsers(dest="models", required=True)
+    p = models.add_parser("prepare", help="dequantise a GGUF file (llama.cpp, Ollama) into a Hugging Face directory",
+                          description="Reads FILE with the `gguf` package (pip install 'lethe[gguf]'), writes a plain "
+                                      "Hugging Face directory the server starts from in a second, and records the "
+                                      "weights' fingerprint, so heads trained on either load on both.")
+    p.add_argument("--gguf", type=Path, required=True, metavar="FILE")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="a directory that does not exist yet")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.set_defaults(func=cmd_models_prepare)
+
     demo = sub.add_parser("demo", help="the synthetic demo corpus and model").add_subparsers(dest="demo",
                                                                                              required=True)
     p = demo.add_parser("corpus", help="write the synthetic corpus (full, forget, retain)")
@@ -688,7 +708,7 @@ class UsageError(ValueError):
 
 def _command(args) -> str:
     """The command's words, e.g. `heads train`."""
-    sub = {"demo": "demo", "heads": "heads", "asu": "asu", "bench": "bench", "datasets": "action", "jobs": "action",
+    sub = {"models": "models", "demo": "demo", "heads": "heads", "asu": "asu", "bench": "bench", "datasets": "action", "jobs": "action",
            "profiles": "action", "tenants": "action"}.get(args.command)
     return f"{args.command} {getattr(args, sub)}" if sub else args.command
 

@@ -37,3 +37,21 @@ def tiny_lm(tiny_model_dir):
     from heads.modelio import load_model
 
     return load_model(tiny_model_dir)
+
+
+REAL_MODEL = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
+REAL_GGUF = REAL_MODEL.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def real_lm():
+    """SmolLM2-135M-Instruct, prepared by `make real-model`. Tests that use it are marked `real`: CI runs them
+    (`.ci/run` prepares the model first; there a missing model is a failure), a developer without the model
+    skips them (`make test PYTEST_ARGS='-m "not real"'` skips them too)."""
+    if not (REAL_MODEL / "config.json").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{REAL_MODEL} is missing: CI runs `make real-model` before the tests")
+        pytest.skip("the real model is not prepared: run `make real-model`")
+    from heads.modelio import load_model
+
+    return load_model(REAL_MODEL)

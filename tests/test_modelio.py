@@ -50,3 +50,18 @@ def test_missing_weights_are_named(tmp_path, tiny_model_dir):
     (bad / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"noweights: no weight files"):
         load_model(bad)
+
+
+def test_a_gguf_file_without_the_extra_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from heads.modelio import ModelLoadError, load_model
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if `lethe[gguf]` were not installed
+    for path in (tmp_path / "m.gguf", tmp_path):  # the file, or a directory holding it
+        with pytest.raises(ModelLoadError, match=r"pip install 'lethe\[gguf\]'"):
+            load_model(path)
+    monkeypatch.undo()
+    with pytest.raises(ModelLoadError, match="GGUF file could not be loaded"):
+        load_model(tmp_path / "m.gguf")
