@@ -74,7 +74,7 @@ def gguf_file(path: str | Path) -> Path | None:
 
 def _require_gguf() -> None:
     try:
-        import gguf  # noqa: F401
+        import gguf  # noqa: F401  (only whether it imports)
     except ImportError:
         raise ModelLoadError("reading GGUF files needs the `gguf` package: pip install 'lethe[gguf]'") from None
 

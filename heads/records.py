@@ -28,8 +28,48 @@ class RecordError(ValueError):
         super().__init__(f"line {line}: {field}: {message}")
 
 
+FORMATS = ("chat", "qa", "raw")
+
+
 def question_prompt(question: str) -> str:
     return PROMPT_FORMAT.format(question=question)
+
+
+def resolve_format(tokenizer, name: str | None = "auto") -> str:
+    """The prompt format of question/answer records: `chat` (the tokenizer's chat template: a user turn, then
+    the assistant's answer and the template's end of turn, exactly as the chat endpoint builds it), `qa` (the
+    `Question: ... Answer:` form) or `raw` (the question as the prompt). `auto`: chat where the tokenizer has
+    a chat template, else qa."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if name in (None, "auto"):
+        return "chat" if has_template else "qa"
+    if name not in FORMATS:
+        raise ValueError(f"format: {name!r} is not one of auto, {', '.join(FORMATS)}")
+    if name == "chat" and not has_template:
+        raise ValueError("format: chat needs a tokenizer with a chat template, and this model's has none")
+    return name
+
+
+def ask(question: str, fmt: str = "qa", tokenizer=None) -> str:
+    """The prompt that asks `question` in format `fmt` (for chat: what /v1/chat/completions builds)."""
+    if fmt == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    return question if fmt == "raw" else question_prompt(question)
+
+
+def qa_example(question: str, answer: str, fmt: str = "qa", tokenizer=None) -> Example:
+    """A question/answer pair as (prompt, completion) in format `fmt`. For chat, the completion is the
+    assistant turn as the template renders it (answer, then its end-of-turn token)."""
+    prompt = ask(question, fmt, tokenizer)
+    if fmt != "chat":
+        return Example(prompt, " " + answer.strip())
+    full = tokenizer.apply_chat_template([{"role": "user", "content": question},
+                                          {"role": "assistant", "content": answer.strip()}], tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("format: this chat template does not render an answered question as the question's "
+                         "prompt followed by the answer; use format qa or raw")
+    return Example(prompt, full[len(prompt):].rstrip())
 
 
 def unicode_problem(text: str) -> str | None:
@@ -53,12 +93,13 @@ def _text(record: dict, key: str, line: int) -> str:
     return value
 
 
-def to_example(record: object, line: int = 1) -> Example:
-    """One parsed JSON object as an Example; RecordError names the first bad field."""
+def to_example(record: object, line: int = 1, fmt: str = "qa", tokenizer=None) -> Example:
+    """One parsed JSON object as an Example (question/answer records in format `fmt`; prompt/completion and
+    text records as they are); RecordError names the first bad field."""
     if not isinstance(record, dict):
         raise RecordError(line, "record", "must be a JSON object")
     if "question" in record or "answer" in record:
-        return Example(question_prompt(_text(record, "question", line)), " " + _text(record, "answer", line).strip())
+        return qa_example(_text(record, "question", line), _text(record, "answer", line), fmt, tokenizer)
     if "prompt" in record or "completion" in record:
         return Example(_text(record, "prompt", line), _text(record, "completion", line))
     if "text" in record:
@@ -66,12 +107,14 @@ def to_example(record: object, line: int = 1) -> Example:
     raise RecordError(line, "record", "needs question/answer, prompt/completion or text")
 
 
-def parse_jsonl(data: str, check=to_example) -> list[dict]:
+def parse_jsonl(data: str, check=to_example, max_records: int | None = None) -> list[dict]:
     """Parse JSON Lines (blank lines skipped); `check(record, line)` raises RecordError for a bad record."""
     records = []
     for number, raw in enumerate(data.splitlines(), start=1):
         if not raw.strip():
             continue
+        if max_records is not None and len(records) >= max_records:
+            raise RecordError(number, "records", f"more than {max_records} records (LETHE_MAX_DATASET_RECORDS)")
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -106,8 +149,8 @@ def read_jsonl(path: Path, prompts_only: bool = False) -> list[dict]:
         raise RecordError(e.line, e.field, f"{e.message} (in {path})") from None
 
 
-def examples(records: list[dict]) -> list[Example]:
-    return [to_example(r, i) for i, r in enumerate(records, start=1)]
+def examples(records: list[dict], fmt: str = "qa", tokenizer=None) -> list[Example]:
+    return [to_example(r, i, fmt, tokenizer) for i, r in enumerate(records, start=1)]
 
 
 def encode_example(tokenizer, ex: Example) -> tuple[list[int], int]:
@@ -117,7 +160,9 @@ def encode_example(tokenizer, ex: Example) -> tuple[list[int], int]:
     request with that prompt sends. A bare text record is predicted from its first token on.
     """
     p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] if ex.prompt else []
-    c = tokenizer(ex.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    c = tokenizer(ex.completion, add_special_tokens=False)["input_ids"]
+    if not c or c[-1] != tokenizer.eos_token_id:  # a chat completion ends with the template's end of turn
+        c = c + [tokenizer.eos_token_id]
     if not p:
         p, c = c[:1], c[1:]
     return p + c, len(p)

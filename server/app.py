@@ -62,7 +62,7 @@ def _json_safe(value):
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
     return value
 
 

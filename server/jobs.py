@@ -176,7 +176,12 @@ class JobRunner:
         if spec.get("backend") == "asu":  # the adapter goes onto the job's copy, never onto the serving model
             tensors, info = load_asu(self.store.asu_path(spec["weights"]), self.engine.lm.fingerprint)
             lm = replace(lm, model=attach(lm.model, "asu_eval", tensors, info))
-        cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64))
+        def check() -> None:
+            if cancel.is_set():
+                raise Cancelled()
+
+        cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64),
+                         format=params.get("format", "auto"), check=check)
         report = evaluate(lm, forget, retain, Profile(params.get("profile") or "inline", head, settings), cfg=cfg)
         if cancel.is_set():
             raise Cancelled()

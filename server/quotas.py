@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from server.storage import Store
 
@@ -25,6 +26,16 @@ class Quotas:
         self.store, self.settings = store, settings
         self._rows: dict[str | None, int] = {}
         self._lock = threading.Lock()
+        self._tenant_locks: dict[str, threading.Lock] = {}
+
+    @contextmanager
+    def guard(self, tenant_id: str):
+        """Hold while checking a quota and adding what it counts, so concurrent requests cannot both pass the
+        check (one lock per tenant: tenants never wait for each other)."""
+        with self._lock:
+            lock = self._tenant_locks.setdefault(tenant_id, threading.Lock())
+        with lock:
+            yield
 
     def _count(self, sql: str, *args) -> int:
         return int(self.store.q(sql, *args)[0][0] or 0)

@@ -21,6 +21,7 @@ from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, 
 from server.storage import new_id
 
 router = APIRouter()
+TOFU_FIELDS = ("question", "answer", "paraphrased_answer", "perturbed_answer")
 
 
 def not_found(kind: str, item_id: str) -> HTTPException:
@@ -70,22 +71,31 @@ async def _read_upload(request: Request, limit: int) -> tuple[bytes, str | None]
 @router.post("/v1/datasets", response_model=DatasetOut, status_code=201, tags=["datasets"])
 async def upload_dataset(request: Request, tenant_id: str = Depends(tenant)) -> DatasetOut:
     """Upload JSON Lines records (TOFU `question`/`answer`, `prompt`/`completion`, or `text`)."""
-    store = request.app.state.store
+    from starlette.concurrency import run_in_threadpool
+
     data, name = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    # parsing 50 MB of JSON takes seconds: never on the event loop, where it would stall every stream
+    return await run_in_threadpool(_store_dataset, request, tenant_id, data, name)
+
+
+def _store_dataset(request: Request, tenant_id: str, data: bytes, name: str | None) -> DatasetOut:
+    store, settings = request.app.state.store, request.app.state.settings
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise field_error("body", f"not valid UTF-8 (byte {e.start})") from None
     try:
-        records = parse_jsonl(text)
+        count = len(parse_jsonl(text, max_records=settings.max_dataset_records))
     except RecordError as e:
         raise HTTPException(422, detail=[{"loc": ["body", f"line {e.line}", e.field], "msg": e.message,
                                           "type": "value_error"}]) from None
-    request.app.state.quotas.dataset(tenant_id, len(data))
-    dataset_id = new_id("ds")
-    atomic_write_bytes(store.dataset_path(dataset_id), data)
-    row = (dataset_id, tenant_id, name, len(records), hashlib.sha256(data).hexdigest(), len(data), time.time())
-    store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
+    del text
+    with request.app.state.quotas.guard(tenant_id):
+        request.app.state.quotas.dataset(tenant_id, len(data))
+        dataset_id = new_id("ds")
+        atomic_write_bytes(store.dataset_path(dataset_id), data)
+        row = (dataset_id, tenant_id, name, count, hashlib.sha256(data).hexdigest(), len(data), time.time())
+        store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
     return DatasetOut(id=row[0], name=row[2], records=row[3], sha256=row[4], bytes=row[5], created=row[6])
 
 
@@ -131,10 +141,11 @@ def _check_datasets(store, tenant_id: str, body) -> None:
 
 def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut:
     quotas = request.app.state.quotas
-    quotas.job(tenant_id)
-    if kind in ("t3", "asu"):
-        quotas.stored(tenant_id, "heads" if kind == "t3" else "asu_weights", kind)
-    job_id = request.app.state.jobs.submit(tenant_id, kind, params)
+    with quotas.guard(tenant_id):
+        quotas.job(tenant_id)
+        if kind in ("t3", "asu"):
+            quotas.stored(tenant_id, "heads" if kind == "t3" else "asu_weights", kind)
+        job_id = request.app.state.jobs.submit(tenant_id, kind, params)
     return _job_out(request.app.state.store.get("jobs", tenant_id, job_id))
 
 
@@ -169,7 +180,7 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
     store = request.app.state.store
     _check_datasets(store, tenant_id, body)
     for field in ("forget", "retain"):
-        if not all("question" in r and "answer" in r for r in read_jsonl(store.dataset_path(getattr(body, field)))):
+        if not all(all(k in r for k in TOFU_FIELDS) for r in read_jsonl(store.dataset_path(getattr(body, field)))):
             raise field_error(field, "evaluation needs TOFU records (question, answer, paraphrased_answer, "
                                      "perturbed_answer)")
     profile = body.profile.spec() if isinstance(body.profile, ProfileSpec) else body.profile
@@ -247,6 +258,7 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
     try:
         row["info"] = json.dumps(await run_in_threadpool(check, path))  # reading tensors is not for the event loop
         response = out(row)
+        response.model_dump_json()  # what GET will show must serialise, or the row is never stored
     except (HeadFileError, BaseMismatch, ValueError, KeyError, TypeError) as e:
         path.unlink(missing_ok=True)
         status = 409 if isinstance(e, BaseMismatch) else 422
@@ -254,8 +266,15 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
-               (item_id, tenant_id, None, row["bytes"], row["info"], row["created"]))])
+    quotas = request.app.state.quotas
+    try:
+        with quotas.guard(tenant_id):
+            quotas.stored(tenant_id, table)
+            store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
+                       (item_id, tenant_id, None, row["bytes"], row["info"], row["created"]))])
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return response
 
 

@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     allow_anonymous: bool = Field(True, description="Requests without a key may generate from the base model.")
     demo_tenant: bool = Field(True, description="On first start, create a 'demo' tenant and print its key.")
     max_upload_bytes: int = Field(50 * 2**20, gt=0, description="Largest dataset upload; more answer 413.")
+    max_dataset_records: int = Field(50_000, gt=0, description="Records a dataset may hold; more answer 422.")
     max_request_bytes: int = Field(2**20, gt=0, description="Largest JSON request body; more answer 413.")
     body_timeout: float = Field(30.0, gt=0, description="Seconds a request body may stall; then 408.")
     quota_datasets: int = Field(100, gt=0, description="Datasets a tenant may hold; more answer 429.")

@@ -506,3 +506,96 @@ def test_quotas_answer_429_and_jobs_take_turns_across_tenants(tiny_model_dir, tm
         assert statuses.count(429) >= 1 and set(statuses) <= {200, 429}
         limited = next(r.result() for r in mine if r.result().status_code == 429)
         assert limited.headers["Retry-After"] and "LETHE_QUOTA_ROWS" in limited.json()["detail"]
+
+
+# Found by a second, independent probe after the fixes above (issue 11's classes, other values).
+
+def test_second_probe_inputs_are_4xx_and_leave_nothing(served, tmp_path, tiny_records):
+    client, lm, alice, _ = served
+    prompt = _prompts(tiny_records)[0]
+    for route, body in (("/generate", {"prompt": prompt, "top_p": 5e-324, "temperature": 1, "max_new_tokens": 8}),
+                        ("/v1/completions", {"prompt": prompt, "top_p": 5e-324, "max_tokens": 8})):
+        r = client.post(route, json=body)  # a top_p that rounds to 0 keeps the best token: greedy
+        assert r.status_code == 200, r.text
+    for route in ("/v1/completions", "/v1/chat/completions", "/generate"):
+        r = client.post(route, content=b'{"\\ud800": 1}', headers={"content-type": "application/json"})
+        assert r.status_code == 422, (route, r.text)
+    cfg = lm.model.config
+    good = HeadInfo(base_fingerprint=lm.fingerprint, d=cfg.hidden_size, vocab=cfg.vocab_size, rank=4)
+    deep: dict = {}
+    for _ in range(900):
+        deep = {"x": deep}
+    heads_before = client.get("/v1/heads", headers=alice).json()
+    head = T3Head(cfg.hidden_size, cfg.vocab_size, 4)
+    state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    cases = [(state, {"metrics": {"x": "\udc80"}}), (state, {"metrics": {"\udc80": 1}}), (state, {"metrics": deep}),
+             (state, {"layer": 5}), (state, {"pooling": "max"}), (state, {"format_version": 0}),
+             ({k: v.to(torch.float8_e4m3fn) for k, v in state.items()}, {}),
+             ({k: v.double() for k, v in state.items()}, {}),
+             ({k: torch.full_like(v, 3e38) for k, v in state.items()}, {})]
+    for tensors, change in cases:
+        path = tmp_path / "h.safetensors"
+        save_file(tensors, str(path), metadata={"lethe": json.dumps(good.__dict__ | change)})
+        r = _upload(client, alice, path, "/v1/heads/upload")
+        assert r.status_code == 422, (change, r.text)
+        listing = client.get("/v1/heads", headers=alice)
+        assert listing.status_code == 200 and listing.json() == heads_before
+    for change in ({"metrics": {"x": "\ud800"}}, {"training": deep}, {"steps": -5}, {"layers": []},
+                   {"tensors": lambda t: {k: v.to(torch.float8_e4m3fn) for k, v in t.items()}}):
+        r = _upload(client, alice, _asu_file(tmp_path / "w.safetensors", lm, **change))
+        assert r.status_code == 422, (change, r.text)
+        assert client.get("/v1/asu", headers=alice).status_code == 200
+
+
+def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_dir, tiny_records, tmp_path):
+    lm = load_model(tiny_model_dir)
+    with running_server(lm, tmp_path, max_upload_bytes=60 * 2**20) as url:
+        c = new_tenant(url, "big")
+        line = (json.dumps({"prompt": "p", "completion": "c", "x": [1] * 300}) + "\n").encode()
+        data = line * 49_000  # 46 MB of small numbers: about a second of parsing on this machine
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.perf_counter()
+            upload = pool.submit(c.post, "/v1/datasets", content=data, timeout=120)
+            waits = []
+            while not upload.done():
+                t = time.perf_counter()
+                assert httpx.get(url + "/healthz", timeout=30).status_code == 200
+                waits.append(time.perf_counter() - t)
+                time.sleep(0.05)
+            took = time.perf_counter() - t0
+        assert upload.result().status_code == 201, upload.result().text
+        assert max(waits) < 0.5, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
+        recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:20]).encode()
+        d = c.post("/v1/datasets", content=recs).json()["id"]
+        job = c.post("/v1/eval", json={"forget": d, "retain": d, "seeds": list(range(10)), "max_new_tokens": 200})
+        assert job.status_code == 202, job.text
+        deadline = time.time() + 60
+        while c.get(f"/v1/jobs/{job.json()['id']}").json()["status"] != "running":
+            assert time.time() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        assert c.post(f"/v1/jobs/{job.json()['id']}/cancel").status_code == 200
+        while c.get(f"/v1/jobs/{job.json()['id']}").json()["status"] == "running":
+            assert time.perf_counter() - t0 < 20, "a cancelled eval kept running"
+            time.sleep(0.1)
+        assert c.get(f"/v1/jobs/{job.json()['id']}").json()["status"] == "cancelled"
+
+
+def test_concurrent_submissions_cannot_pass_a_quota_together(tiny_model_dir, tmp_path, tiny_records):
+    settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
+                        quota_jobs=3, quota_datasets=3)
+    recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:4]).encode()
+    with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
+        a = _tenant(client, "a")
+        gate = threading.Event()
+        client.app.state.jobs._train = lambda job, cancel: gate.wait(30)
+        with ThreadPoolExecutor(8) as pool:
+            ds = list(pool.map(lambda _: client.post("/v1/datasets", content=recs, headers=a).status_code, range(8)))
+        assert sorted(ds) == [201] * 3 + [429] * 5
+        d = client.get("/v1/datasets", headers=a).json()[0]["id"]
+        with ThreadPoolExecutor(8) as pool:
+            jobs = list(pool.map(lambda _: client.post("/v1/heads", json={"forget": d, "retain": d},
+                                                       headers=a).status_code, range(8)))
+        gate.set()
+        assert sorted(jobs) == [202] * 3 + [429] * 5

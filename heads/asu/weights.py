@@ -59,7 +59,6 @@ def save_asu(path: Path, tensors: dict[str, torch.Tensor], info: ASUInfo) -> Non
 MAX_RANK = 256  # the training API's bound: a file may not claim more
 MAX_ALPHA = 4096.0
 MAX_MAGNITUDE = 1e3  # an adapter value beyond this is no trained adapter (they are well below 1)
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def projection_shapes(model) -> dict[str, tuple[int, int]]:
@@ -108,6 +107,10 @@ def check_asu(path, tensors: dict[str, torch.Tensor], info: ASUInfo, shapes: dic
         raise HeadFileError(f"{path}: metadata lora_rank: must be in [1, {MAX_RANK}], got {info.lora_rank}")
     if not 0 < info.lora_alpha <= MAX_ALPHA:
         raise HeadFileError(f"{path}: metadata lora_alpha: must be in (0, {MAX_ALPHA:g}], got {info.lora_alpha}")
+    if not 0 <= info.steps <= 1_000_000:
+        raise HeadFileError(f"{path}: metadata steps: must be in [0, 1000000], got {info.steps}")
+    if not info.layers:
+        raise HeadFileError(f"{path}: metadata layers: names no layer")
     if not 1 < info.tau <= 1000:
         raise HeadFileError(f"{path}: metadata tau: must be in (1, 1000], got {info.tau}")
     if not info.target_modules or not set(info.target_modules) <= set(TARGETS):
@@ -129,8 +132,6 @@ def check_asu(path, tensors: dict[str, torch.Tensor], info: ASUInfo, shapes: dic
         t = tensors[name]
         if tuple(t.shape) != shape:
             raise HeadFileError(f"{path}: {name} has shape {tuple(t.shape)}, this model needs {shape}")
-        if t.dtype not in _FLOATS:
-            raise HeadFileError(f"{path}: {name} has dtype {t.dtype}, not float32, float16 or bfloat16")
         if t.numel() and float(t.abs().max()) > MAX_MAGNITUDE:
             raise HeadFileError(f"{path}: {name} holds values beyond {MAX_MAGNITUDE:g} in magnitude")
 

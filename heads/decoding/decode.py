@@ -286,11 +286,14 @@ def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list
 
 
 def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParams, batch_size: int = 64,
-                     guide: Guide | None = None) -> list[Completion]:
-    """`generate` over a long list of prompts, `batch_size` at a time (prompts of similar length together)."""
+                     guide: Guide | None = None, before_chunk=None) -> list[Completion]:
+    """`generate` over a long list of prompts, `batch_size` at a time (prompts of similar length together).
+    `before_chunk()` runs before each chunk (a job's cancellation check: it may raise)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
+        if before_chunk is not None:
+            before_chunk()
         idx = order[start:start + batch_size]
         for i, c in zip(idx, generate(model, tokenizer, [prompts[i] for i in idx], params, guide)):
             out[i] = c

@@ -63,8 +63,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     remove = ranks >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the better tokens; the best token always stays
-    remove |= before >= top_p[:, None]
+    before = probs.cumsum(dim=-1) - probs  # mass of the better tokens; the best token always stays, whatever
+    remove |= (before >= top_p[:, None]) & (ranks > 0)  # top_p is (a top_p that rounds to 0 in float32 included)
     kept = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     return torch.zeros_like(kept).scatter_(-1, order, kept)
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from heads.decoding.decode import generate_chunked
 from heads.t3.guide import HeadGuide, TiltSettings
 from heads.t3.head import T3Head
 from heads.evaluation.metrics import rouge_l_recall
-from heads.records import Example, question_prompt
+from heads.records import ask, qa_example, resolve_format
 from heads.decoding.sampling import SamplingParams
 from heads.evaluation.scoring import completion_nll
 
@@ -85,17 +86,20 @@ class EvalConfig:
     batch_size: int = 64
     examples: int = 3  # generations kept in the report per set
     extra: dict = field(default_factory=dict)
+    format: str = "auto"  # how questions are asked: heads.records.resolve_format
+    check: Callable[[], None] | None = None  # called between pieces of work; a job's cancellation raises from it
 
 
-def _answers(model, tokenizer, questions, profile: Profile, params: SamplingParams, batch_size: int) -> list[str]:
-    return [c.text.strip() for c in generate_chunked(model, tokenizer, [question_prompt(q) for q in questions], params,
-                                                     batch_size, profile.guide())]
+def _answers(model, tokenizer, questions, profile: Profile, params: SamplingParams, batch_size: int,
+             fmt: str = "qa", check=None) -> list[str]:
+    return [c.text.strip() for c in generate_chunked(model, tokenizer, [ask(q, fmt, tokenizer) for q in questions], params,
+                                                     batch_size, profile.guide(), check)]
 
 
-def truth_ratios(model, tokenizer, records, profile: Profile) -> list[float]:
+def truth_ratios(model, tokenizer, records, profile: Profile, fmt: str = "qa") -> list[float]:
     """TR per record, under the profile's distribution."""
-    para = [Example(question_prompt(r["question"]), " " + r["paraphrased_answer"]) for r in records]
-    wrong = [Example(question_prompt(r["question"]), " " + w) for r in records for w in r["perturbed_answer"]]
+    para = [qa_example(r["question"], r["paraphrased_answer"], fmt, tokenizer) for r in records]
+    wrong = [qa_example(r["question"], w, fmt, tokenizer) for r in records for w in r["perturbed_answer"]]
     nll_c = completion_nll(model, tokenizer, para, profile.head, profile.settings)
     nll_w = completion_nll(model, tokenizer, wrong, profile.head, profile.settings)
     out, k = [], 0
@@ -106,28 +110,36 @@ def truth_ratios(model, tokenizer, records, profile: Profile) -> list[float]:
     return out
 
 
-def answer_probability(model, tokenizer, records, profile: Profile) -> float:
-    ex = [Example(question_prompt(r["question"]), " " + r["answer"]) for r in records]
+def answer_probability(model, tokenizer, records, profile: Profile, fmt: str = "qa") -> float:
+    ex = [qa_example(r["question"], r["answer"], fmt, tokenizer) for r in records]
     return statistics.fmean(math.exp(-x) for x in completion_nll(model, tokenizer, ex, profile.head, profile.settings))
 
 
 def set_metrics(lm, records, profile: Profile, cfg: EvalConfig, paraphrased: bool) -> dict:
     model, tok = lm.model, lm.tokenizer
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
-    answers = _answers(model, tok, [r["question"] for r in records], profile, greedy, cfg.batch_size)
+    fmt = resolve_format(tok, cfg.format)
+    answers = _answers(model, tok, [r["question"] for r in records], profile, greedy, cfg.batch_size, fmt, cfg.check)
+    if cfg.check:
+        cfg.check()
     out = {"rouge": statistics.fmean(rouge_l_recall(r["answer"], a) for r, a in zip(records, answers)),
-           "prob": answer_probability(model, tok, records, profile)}
-    trs = truth_ratios(model, tok, records, profile)
+           "prob": answer_probability(model, tok, records, profile, fmt)}
+    if cfg.check:
+        cfg.check()
+    trs = truth_ratios(model, tok, records, profile, fmt)
+    if cfg.check:
+        cfg.check()
     out["truth_ratios"] = trs
     sampled_rouge, sampled_answers = [], []
     for seed in cfg.seeds:
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.sample_temperature, seed=seed)
-        s = _answers(model, tok, [r["question"] for r in records], profile, params, cfg.batch_size)
+        s = _answers(model, tok, [r["question"] for r in records], profile, params, cfg.batch_size, fmt, cfg.check)
         sampled_rouge.append(statistics.fmean(rouge_l_recall(r["answer"], a) for r, a in zip(records, s)))
         sampled_answers += s
     out["rouge_sampled"] = statistics.fmean(sampled_rouge) if sampled_rouge else None
     if paraphrased:
-        para = _answers(model, tok, [r["paraphrased_question"] for r in records], profile, greedy, cfg.batch_size)
+        para = _answers(model, tok, [r["paraphrased_question"] for r in records], profile, greedy, cfg.batch_size,
+                        fmt, cfg.check)
         out["rouge_paraphrased"] = statistics.fmean(rouge_l_recall(r["answer"], a) for r, a in zip(records, para))
     out["_answers"], out["_sampled_answers"] = answers, sampled_answers
     out["examples"] = [{"question": r["question"], "answer": r["answer"], "generated": a}
@@ -163,10 +175,12 @@ def evaluate(lm, forget: list[dict], retain: list[dict], profile: Profile, refer
         from scipy.stats import ks_2samp
 
         if reference_trs is None:
-            reference_trs = truth_ratios(reference.model, reference.tokenizer, forget, Profile("reference"))
+            reference_trs = truth_ratios(reference.model, reference.tokenizer, forget, Profile("reference"),
+                                         resolve_format(reference.tokenizer, cfg.format))
         report["forget_quality"] = float(ks_2samp(forget_trs, reference_trs).pvalue)
     if reference is not None:
-        gen = [Example(question_prompt(rec["question"]), " " + a) for rec, a in zip(forget, f["_answers"]) if a]
+        ref_fmt = resolve_format(reference.tokenizer, cfg.format)
+        gen = [qa_example(rec["question"], a, ref_fmt, reference.tokenizer) for rec, a in zip(forget, f["_answers"]) if a]
         nll = completion_nll(reference.model, reference.tokenizer, gen) if gen else []
         fl["reference_nll"] = statistics.fmean(nll) if nll else None
     report["forget_truth_ratios"] = forget_trs

@@ -25,6 +25,8 @@ from heads.io import atomic_write
 
 FORMAT = "lethe-t3-head"
 FORMAT_VERSION = 1
+MAX_RANK = 1024  # the training API's bound
+MAX_MAGNITUDE = 1e4  # trained heads and adapters stay far below; beyond it logits overflow in low precision
 
 
 class HeadFileError(ValueError):
@@ -149,9 +151,32 @@ def read_lethe_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor], str
     if raw is None:
         raise HeadFileError(f"{path}: no Lethe metadata; not a Lethe {what} file")
     for name, t in tensors.items():
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise HeadFileError(f"{path}: {name} has dtype {t.dtype}, not float32, float16 or bfloat16")
         if not torch.isfinite(t).all():
             raise HeadFileError(f"{path}: {name} holds NaN or Inf values")
+        if t.numel() and float(t.abs().max()) > MAX_MAGNITUDE:
+            raise HeadFileError(f"{path}: {name} holds values beyond {MAX_MAGNITUDE:g} in magnitude")
     return tensors, raw
+
+
+def _metadata_problem(value, where: str = "", depth: int = 0) -> str | None:
+    """Why metadata cannot be stored and shown back (nested too deep, a string that is not valid Unicode)."""
+    from heads.records import unicode_problem
+
+    if depth > 16:
+        return f"{where or 'value'}: nested more than 16 levels deep"
+    if isinstance(value, str):
+        problem = unicode_problem(value)
+        return f"{where or 'value'}: {problem}" if problem else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and unicode_problem(k):
+            return f"{where or 'value'}: a key {unicode_problem(k)}"
+        problem = _metadata_problem(v, f"{where}.{k}" if where else str(k), depth + 1)
+        if problem:
+            return problem
+    return None
 
 
 def parse_info(cls, raw: str, path: Path):
@@ -165,6 +190,9 @@ def parse_info(cls, raw: str, path: Path):
         raise HeadFileError(f"{path}: metadata is not readable JSON") from None
     if not isinstance(data, dict):
         raise HeadFileError(f"{path}: metadata is not a JSON object")
+    problem = _metadata_problem(data)
+    if problem:
+        raise HeadFileError(f"{path}: metadata {problem}")
     unknown = sorted(set(data) - {f.name for f in fields(cls)})
     if unknown:
         raise HeadFileError(f"{path}: unknown metadata fields {unknown[:5]}")
@@ -187,8 +215,13 @@ def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None
         TiltSettings.from_dict(info.profile)
     except (TypeError, ValueError) as e:
         raise HeadFileError(f"{path}: metadata profile: {e}") from None
-    if info.format != FORMAT or info.format_version > FORMAT_VERSION:
+    if info.format != FORMAT or not 1 <= info.format_version <= FORMAT_VERSION:
         raise HeadFileError(f"{path}: format {info.format} v{info.format_version} is not {FORMAT} <= v{FORMAT_VERSION}")
+    if not 1 <= info.rank <= MAX_RANK:
+        raise HeadFileError(f"{path}: metadata rank: must be in [1, {MAX_RANK}], got {info.rank}")
+    if info.layer != -1 or info.pooling != "mean":
+        raise HeadFileError(f"{path}: metadata layer/pooling: Lethe serves heads on the last layer's mean "
+                            f"(layer -1, pooling mean), not layer {info.layer}, pooling {info.pooling!r}")
     expected = {"down.weight": (info.rank, info.d), "up.weight": (info.vocab, info.rank)}
     if "up.bias" in tensors:
         expected["up.bias"] = (info.vocab,)
