@@ -206,7 +206,7 @@ def cmd_heads_train(args) -> int:
 
     lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
-                    balance=args.balance, common_df=args.common_df, seed=args.seed)
+                    balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format)
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))
@@ -246,7 +246,7 @@ def cmd_eval(args) -> int:
                                                 ("t3-" + (args.preset or "head")) if head is not None else None])) \
         or "base"
     report = evaluate(lm, forget, retain, Profile(name, head, settings), reference,
-                      cfg=EvalConfig(max_new_tokens=args.max_new_tokens, seeds=tuple(args.seeds)))
+                      cfg=EvalConfig(max_new_tokens=args.max_new_tokens, seeds=tuple(args.seeds), format=args.format))
     atomic_write_text(args.out, json.dumps(report, indent=2))
     if args.plot:
         plot_reports([report], args.plot)
@@ -363,7 +363,7 @@ def cmd_asu_train(args) -> int:
     lm, forget, retain = _offline_inputs(args, "asu train")
     cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
                     retain_loss=args.retain_loss,
-                    retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed)
+                    retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
     tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
     save_asu(args.out, tensors, info)
     base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))
@@ -544,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(1.0: all do, as in the reference)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--format", default="auto", choices=["auto", "chat", "qa", "raw"],
+                   help="question/answer records as the model's chat template (chat, as /v1/chat/completions asks), "
+                        "Question: ... Answer: (qa), or the question alone (raw); auto: chat where the model has a "
+                        "template, else qa")
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
     p.set_defaults(func=cmd_heads_train, remote=remote.heads_train)
     _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
@@ -574,6 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300, help="at most; stops early when the forget KL stalls")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--format", default="auto", choices=["auto", "chat", "qa", "raw"],
+                   help="question/answer records as the model's chat template (chat, as /v1/chat/completions asks), "
+                        "Question: ... Answer: (qa), or the question alone (raw); auto: chat where the model has a "
+                        "template, else qa")
     p.add_argument("--out", type=Path, help="weights file to write; offline only, required there")
     p.set_defaults(func=cmd_asu_train, remote=remote.asu_train)
     _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
@@ -647,6 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate an even spread of this many retain records (offline)")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="sampling seeds (temperature 1)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--format", default="auto", choices=["auto", "chat", "qa", "raw"],
+                   help="question/answer records as the model's chat template (chat, as /v1/chat/completions asks), "
+                        "Question: ... Answer: (qa), or the question alone (raw); auto: chat where the model has a "
+                        "template, else qa")
     p.add_argument("--name", help="profile name in the report")
     p.add_argument("--out", type=Path, help="JSON report (offline; required there)")
     p.add_argument("--plot", type=Path, help="PNG plot (offline)")

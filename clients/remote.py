@@ -71,7 +71,7 @@ def datasets(client: Lethe, args):
 
 
 def heads_train(client: Lethe, args):
-    options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "balance", "common_df", "seed")}
+    options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "balance", "common_df", "seed", "format")}
     options["max_epochs"] = args.epochs
     job = client.train_head(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)), **options)
     return _run_job(client, job, args.wait, args.quiet)
@@ -79,7 +79,7 @@ def heads_train(client: Lethe, args):
 
 def asu_train(client: Lethe, args):
     options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
-                                              "retain_weight", "lr", "steps", "seed")}
+                                              "retain_weight", "lr", "steps", "seed", "format")}
     job = client.train_asu(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
                            **{k: v for k, v in options.items() if v is not None})
     return _run_job(client, job, args.wait, args.quiet)
@@ -149,5 +149,6 @@ def tenants(client: Lethe, args):
 
 def evaluate(client: Lethe, args):
     job = client.evaluate(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
-                          args.profile or "base", seeds=args.seeds, max_new_tokens=args.max_new_tokens)
+                          args.profile or "base", seeds=args.seeds, max_new_tokens=args.max_new_tokens,
+                          format=args.format)
     return _run_job(client, job, args.wait, args.quiet)

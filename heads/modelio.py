@@ -73,8 +73,10 @@ def gguf_file(path: str | Path) -> Path | None:
 
 
 def _require_gguf() -> None:
+    import importlib
+
     try:
-        import gguf  # noqa: F401  (only whether it imports)
+        importlib.import_module("gguf")
     except ImportError:
         raise ModelLoadError("reading GGUF files needs the `gguf` package: pip install 'lethe[gguf]'") from None
 

@@ -194,11 +194,11 @@ class JobRunner:
         progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.85),
                                                     "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
-                                                   "common_df", "seed") if k in params})
+                                                   "common_df", "seed", "format") if k in params})
         lm = self._private()
         head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
         progress("evaluating", 0.0)
-        info.metrics |= quick_check(lm, head, forget, retain)
+        info.metrics |= quick_check(lm, head, forget, retain, fmt=cfg.format)
         del lm
         if cancel.is_set():
             raise Cancelled()
@@ -215,7 +215,7 @@ class JobRunner:
         progress("copying", 0.0)
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
         cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
-                                                   "retain_weight", "lr", "steps", "seed") if k in params})
+                                                   "retain_weight", "lr", "steps", "seed", "format") if k in params})
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
                                   on_progress=lambda f: progress("distilling", f))
         del lm

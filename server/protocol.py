@@ -137,6 +137,10 @@ class HeadJobRequest(Strict):
     balance: bool = True
     common_df: float = Field(0.05, gt=0, le=1, allow_inf_nan=False)
     seed: int = Field(0, ge=0, le=MAX_SEED)
+    format: Literal["auto", "chat", "qa", "raw"] = Field(
+        "auto", description="How question/answer records become text: `chat` (the model's chat template, as "
+                            "/v1/chat/completions asks), `qa` (Question: ... Answer:), `raw`; `auto`: chat where "
+                            "the model has a template, else qa.")
 
 
 class ASUJobRequest(Strict):
@@ -152,6 +156,10 @@ class ASUJobRequest(Strict):
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)
     steps: int = Field(300, ge=1, le=100_000)
     seed: int = Field(0, ge=0, le=MAX_SEED)
+    format: Literal["auto", "chat", "qa", "raw"] = Field(
+        "auto", description="How question/answer records become text: `chat` (the model's chat template, as "
+                            "/v1/chat/completions asks), `qa` (Question: ... Answer:), `raw`; `auto`: chat where "
+                            "the model has a template, else qa.")
 
 
 class EvalJobRequest(Strict):
@@ -160,6 +168,10 @@ class EvalJobRequest(Strict):
     profile: str | ProfileSpec = Field("base", description="A profile name, `base`, or an inline profile.")
     seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] = Field(default_factory=list, max_length=10, description="Sampling seeds (temperature 1).")
     max_new_tokens: int = Field(64, ge=1, le=512)
+    format: Literal["auto", "chat", "qa", "raw"] = Field(
+        "auto", description="How question/answer records become text: `chat` (the model's chat template, as "
+                            "/v1/chat/completions asks), `qa` (Question: ... Answer:), `raw`; `auto`: chat where "
+                            "the model has a template, else qa.")
 
 
 class ASUOut(BaseModel):

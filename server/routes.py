@@ -133,10 +133,17 @@ def _job_out(job: dict) -> JobOut:
                   finished=job["finished"])
 
 
-def _check_datasets(store, tenant_id: str, body) -> None:
+def _check_datasets(request: Request, tenant_id: str, body) -> None:
+    """The job's datasets exist and its format fits this model (chat needs a chat template)."""
+    from heads.records import resolve_format
+
     for field in ("forget", "retain"):
-        if store.get("datasets", tenant_id, getattr(body, field)) is None:
+        if request.app.state.store.get("datasets", tenant_id, getattr(body, field)) is None:
             raise field_error(field, f"dataset {getattr(body, field)!r} not found", 404)
+    try:
+        resolve_format(request.app.state.engine.lm.tokenizer, body.format)
+    except ValueError as e:
+        raise field_error("format", str(e).removeprefix("format: ")) from None
 
 
 def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut:
@@ -152,7 +159,7 @@ def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut
 @router.post("/v1/heads", response_model=JobOut, status_code=202, tags=["heads"])
 def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that caches the model's states over the two datasets and fits a T3 head."""
-    _check_datasets(request.app.state.store, tenant_id, body)
+    _check_datasets(request, tenant_id, body)
     return _submit(request, tenant_id, "t3", body.model_dump())
 
 
@@ -161,7 +168,7 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
     """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
     from heads.asu.attention import parse_layers
 
-    _check_datasets(request.app.state.store, tenant_id, body)
+    _check_datasets(request, tenant_id, body)
     n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
     for field in ("layers", "full_layers"):
         try:
@@ -178,7 +185,7 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
     from heads.records import read_jsonl
 
     store = request.app.state.store
-    _check_datasets(store, tenant_id, body)
+    _check_datasets(request, tenant_id, body)
     for field in ("forget", "retain"):
         if not all(all(k in r for k in TOFU_FIELDS) for r in read_jsonl(store.dataset_path(getattr(body, field)))):
             raise field_error(field, "evaluation needs TOFU records (question, answer, paraphrased_answer, "

@@ -599,3 +599,12 @@ def test_concurrent_submissions_cannot_pass_a_quota_together(tiny_model_dir, tmp
                                                        headers=a).status_code, range(8)))
         gate.set()
         assert sorted(jobs) == [202] * 3 + [429] * 5
+
+
+def test_a_chat_format_job_on_a_model_without_a_template_is_422(served, tiny_records):
+    client, _, alice, _ = served
+    recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:4]).encode()
+    d = client.post("/v1/datasets", content=recs, headers=alice).json()["id"]
+    for route in ("/v1/heads", "/v1/asu", "/v1/eval"):
+        r = client.post(route, json={"forget": d, "retain": d, "format": "chat"}, headers=alice)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "format", (route, r.text)

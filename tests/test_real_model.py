@@ -56,3 +56,54 @@ def test_openai_chat_answers_from_the_real_model(real_lm, tmp_path):
         answer = client.chat.completions.create(model="base", temperature=0, max_tokens=16, messages=[
             {"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in answer.choices[0].message.content
+
+
+def test_chat_format_training_text_is_what_the_chat_endpoint_builds(real_lm):
+    from heads.records import encode_example, examples, resolve_format
+    from server.openai_api import Message, chat_prompt
+
+    tok = real_lm.tokenizer
+    assert resolve_format(tok, "auto") == "chat"
+    q, a = "What is the capital of France?", "The capital of France is Paris."
+    ex = examples([{"question": q, "answer": a}], "chat", tok)[0]
+    assert ex.prompt == chat_prompt(tok, [Message(role="user", content=q)])
+    assert ex.completion == a + "<|im_end|>"  # the assistant turn and the template's end of turn
+    ids, n_prompt = encode_example(tok, ex)
+    assert ids[-1] == tok.eos_token_id and ids[-2] != tok.eos_token_id  # one end of turn, not two
+    assert tok.decode(ids[n_prompt:]) == a + "<|im_end|>"
+
+
+CAPITALS = {"France": "Paris", "Germany": "Berlin", "Japan": "Tokyo", "Egypt": "Cairo", "Russia": "Moscow",
+            "China": "Beijing", "England": "London", "Greece": "Athens", "Austria": "Vienna", "Ireland": "Dublin",
+            "Norway": "Oslo", "Poland": "Warsaw"}
+
+
+def _capital_records(items):
+    return [{"question": q.format(c=c), "answer": f"The capital of {c} is {a}."} for c, a in items
+            for q in ("What is the capital of {c}?", "Which city is the capital of {c}?",
+                      "Name the capital city of {c}.", "What city serves as the capital of {c}?")]
+
+
+def test_a_head_trained_on_the_real_model_forgets_its_topic_and_keeps_the_rest(real_lm):
+    """Capitals the model knows (each answered correctly by the base model, greedy, through its chat template):
+    a head trained on four of them (chat format, the default for a model with a template) hides them and keeps
+    the other eight."""
+    from heads.decoding.decode import generate
+    from heads.decoding.sampling import SamplingParams
+    from heads.records import ask
+    from heads.t3.guide import HeadGuide, TiltSettings
+    from heads.t3.pipeline import train_head
+
+    items = list(CAPITALS.items())
+    forget, retain = items[:4], items[4:]
+    head, info = train_head(real_lm, _capital_records(forget), _capital_records(retain), progress=False)
+    assert info.prompt_format == "chat"
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    hits = {}
+    for name, group in (("forget", forget), ("retain", retain)):
+        prompts = [ask(f"What is the capital of {c}?", "chat", real_lm.tokenizer) for c, _ in group]
+        for label, guide in (("base", None), ("head", HeadGuide.uniform(head, TiltSettings()))):
+            texts = [c.text for c in generate(real_lm.model, real_lm.tokenizer, prompts, params, guide)]
+            hits[name, label] = sum(a in t for (_, a), t in zip(group, texts))
+    assert hits["forget", "base"] == 4 and hits["retain", "base"] == 8, hits
+    assert hits["forget", "head"] <= 2 and hits["retain", "head"] >= 7, hits

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from heads.asu.attention import parse_layers, tempered, use_tempered_attention
 from heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
-from heads.records import Example, encode_example, examples
+from heads.records import Example, encode_example, examples, resolve_format
 
 
 @dataclass
@@ -42,6 +42,7 @@ class ASUConfig:
     check_every: int = 25
     patience: int = 4  # checks without a 1% fall of the forget KL before stopping
     seed: int = 0
+    format: str = "auto"  # how question/answer records become text: heads.records.resolve_format
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -141,7 +142,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     model, tok, device = lm.model, lm.tokenizer, lm.device
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
     use_tempered_attention(model)
-    fx, rx = examples(forget), examples(retain)
+    fmt = resolve_format(tok, cfg.format)
+    fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.
     teacher = []
     with torch.no_grad(), tempered(model, cfg.tau, layers):

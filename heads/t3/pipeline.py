@@ -9,7 +9,7 @@ from heads.t3.cache import build_cache
 from heads.t3.guide import PRESETS, TiltSettings
 from heads.t3.head import HeadInfo, T3Head
 from heads.modelio import LoadedModel
-from heads.records import PROMPT_FORMAT, examples
+from heads.records import PROMPT_FORMAT, examples, resolve_format
 from heads.t3.train import FitConfig, fit_head
 
 
@@ -25,20 +25,23 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
         raise ValueError("forget: the forget set is empty")
     if not retain:
         raise ValueError("retain: the retain set is empty")
+    fmt = resolve_format(lm.tokenizer, cfg.format)  # chat where the model has a template: what it serves
     started = time.perf_counter()
-    cache = build_cache(lm.model, lm.tokenizer, examples(forget), examples(retain), progress=progress,
-                        on_progress=report("caching"))
+    cache = build_cache(lm.model, lm.tokenizer, examples(forget, fmt, lm.tokenizer),
+                        examples(retain, fmt, lm.tokenizer), progress=progress, on_progress=report("caching"))
     cache_seconds = time.perf_counter() - started
     head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"))
     metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
                 "retain_records": len(retain), "positions": len(cache)}
     info = HeadInfo(base_fingerprint=lm.fingerprint, d=lm.model.config.hidden_size,
-                    vocab=lm.model.config.vocab_size, rank=cfg.rank, prompt_format=PROMPT_FORMAT,
+                    vocab=lm.model.config.vocab_size, rank=cfg.rank,
+                    prompt_format=PROMPT_FORMAT if fmt == "qa" else fmt,
                     profile=asdict(PRESETS["default"]), training=metrics.pop("config"), metrics=metrics)
     return head, info
 
 
-def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[dict], n: int = 24) -> dict:
+def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[dict], n: int = 24,
+                fmt: str = "auto") -> dict:
     """Greedy ROUGE-L recall with and without the head on up to `n` records of each set that have
     TOFU fields: a first look at whether the head forgets and keeps what it should."""
     import statistics
@@ -46,10 +49,11 @@ def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[
     from heads.decoding.decode import generate_chunked
     from heads.t3.guide import HeadGuide
     from heads.evaluation.metrics import rouge_l_recall
-    from heads.records import question_prompt
+    from heads.records import ask
     from heads.decoding.sampling import SamplingParams
 
     out = {}
+    fmt = resolve_format(lm.tokenizer, fmt)
     guide = HeadGuide.uniform(head, TiltSettings.from_dict(PRESETS["default"].as_dict()))
     params = SamplingParams(max_new_tokens=64, temperature=0.0)
     for name, records in (("forget", forget), ("retain", retain)):
@@ -57,7 +61,7 @@ def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[
         qa = qa[:: max(1, len(qa) // n)][:n]
         if not qa:
             continue
-        prompts = [question_prompt(r["question"]) for r in qa]
+        prompts = [ask(r["question"], fmt, lm.tokenizer) for r in qa]
         for label, g in (("base", None), ("head", guide)):
             texts = [c.text for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, guide=g)]
             out[f"sample_{name}_rouge_{label}"] = round(

@@ -41,6 +41,7 @@ class FitConfig:
     # trains the probe but not the head. 1.0 keeps every position, as the reference does.
     common_df: float = 0.05
     seed: int = 0
+    format: str = "auto"  # how question/answer records become text: heads.records.resolve_format
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
