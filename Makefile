@@ -21,7 +21,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q "$(TORCH)" -e ".[test,gguf]"
+	$(BIN)/pip install -q "$(TORCH)" -e ".[test,gguf,bench]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -373,6 +373,25 @@ def cmd_asu_train(args) -> int:
     return 0
 
 
+def cmd_bench_real(args) -> int:
+    from heads.evaluation.real import RealBenchConfig, markdown, run
+    from heads.io import atomic_write_text
+    from heads.modelio import load_model
+    from heads.t3.train import FitConfig
+
+    lm = load_model(args.model, args.device, args.dtype)
+    cfg = RealBenchConfig(forget=args.forget, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
+                          top_p=args.top_p, seeds=tuple(args.seeds), limit=args.limit,
+                          fit=FitConfig(format=args.format))
+    report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    table = markdown(report)
+    print(table)
+    if args.out:
+        atomic_write_text(args.out, json.dumps(report, indent=2))
+        atomic_write_text(args.out.with_suffix(".md"), table)
+    return 0
+
+
 def cmd_bench_asu(args) -> int:
     from heads.evaluation.ablation import asu_header, asu_row, asu_table
     from heads.evaluation.evaluate import EvalConfig
@@ -689,6 +708,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
     p.add_argument("--plot", type=Path, help="PNG of the first four rows")
     p.set_defaults(func=cmd_bench_quality)
+
+    p = bench.add_parser("real", help="forget a topic a pretrained chat model knows: hits, retain, fluency",
+                         description="Facts from templates that the model answers correctly; a head trained on one "
+                                     "kind (--forget), the others kept; base and tilted answers greedy and sampled; "
+                                     "hit rate, retain answers identical to the base model's, and the fluency of "
+                                     "forget answers (non-words, repeated 3-grams, loops). Needs the bench extra "
+                                     "(pip install 'lethe[bench]') for its English word list.")
+    _add_model_args(p)
+    p.add_argument("--forget", default="capital", choices=["capital", "currency", "continent", "element", "author"])
+    p.add_argument("--format", default="auto", choices=["auto", "chat", "qa", "raw"])
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0])
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--limit", type=int, default=None, help="subjects per kind, for a quick run (default: all)")
+    p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
+    p.set_defaults(func=cmd_bench_real)
 
     p = bench.add_parser("asu-quality", help="full, reference, T3, ASU at each tau, ASU + T3 (greedy), with times")
     _add_model_args(p)

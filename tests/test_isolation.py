@@ -549,10 +549,10 @@ def test_second_probe_inputs_are_4xx_and_leave_nothing(served, tmp_path, tiny_re
 
 def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_dir, tiny_records, tmp_path):
     lm = load_model(tiny_model_dir)
-    with running_server(lm, tmp_path, max_upload_bytes=60 * 2**20) as url:
+    with running_server(lm, tmp_path, max_upload_bytes=130 * 2**20) as url:
         c = new_tenant(url, "big")
-        line = (json.dumps({"prompt": "p", "completion": "c", "x": [1] * 300}) + "\n").encode()
-        data = line * 49_000  # 46 MB of small numbers: about a second of parsing on this machine
+        line = (json.dumps({"prompt": "p", "completion": "c", "x": [1] * 800}) + "\n").encode()
+        data = line * 49_000  # 120 MB of small numbers: seconds of parsing on this machine
         with ThreadPoolExecutor(1) as pool:
             t0 = time.perf_counter()
             upload = pool.submit(c.post, "/v1/datasets", content=data, timeout=120)
@@ -564,7 +564,9 @@ def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_di
                 time.sleep(0.05)
             took = time.perf_counter() - t0
         assert upload.result().status_code == 201, upload.result().text
-        assert max(waits) < 0.5, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
+        # the client and the server share this process, so some wait is the client's; parsing on the event loop
+        # made it 3-4 s here
+        assert max(waits) < 1.0, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
         recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:20]).encode()
         d = c.post("/v1/datasets", content=recs).json()["id"]
         job = c.post("/v1/eval", json={"forget": d, "retain": d, "seeds": list(range(10)), "max_new_tokens": 200})

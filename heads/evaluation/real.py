@@ -1,0 +1,153 @@
+"""`lethe bench real`: forgetting a topic a pretrained chat model knows, end to end, with fluency measured.
+
+1. Facts from templates (`heads.evaluation.facts`); keep the items the base model answers correctly (greedy,
+   through its chat template, canonical question), so every forget hit at the start is knowledge, not luck.
+2. Forget: one kind of fact (capitals by default); retain: the other kinds. The head trains on every question
+   template but the last (held out), in the model's own format (chat where it has a template).
+3. Generate base and tilted answers to the canonical and the held-out question: greedy, and sampled at each
+   temperature with top-p, over several seeds (the same seed for base and tilted).
+4. Score: hit rate (the gold answer in the text), the share of retain answers identical to the base model's,
+   and the fluency of forget answers: non-words (alphabetic words not in an English word list), repeated word
+   3-grams, degenerate loops (a unit of 1-4 characters repeated five or more times). The base model's answers
+   to questions of the forget kind it does *not* know are the fluency reference: what a model that never
+   learned the fact says.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from heads.decoding.decode import generate_chunked
+from heads.decoding.sampling import SamplingParams
+from heads.evaluation.evaluate import nonword_rate, repeated_trigram_rate
+from heads.evaluation.facts import KINDS, hit, kind, records
+from heads.evaluation.metrics import EnglishWords, has_loop
+from heads.records import ask, resolve_format
+from heads.t3.guide import HeadGuide, TiltSettings
+from heads.t3.pipeline import train_head
+from heads.t3.train import FitConfig
+
+
+@dataclass
+class RealBenchConfig:
+    forget: str = "capital"
+    max_new_tokens: int = 40
+    temperatures: tuple[float, ...] = (0.7, 1.0)
+    top_p: float = 0.9
+    seeds: tuple[int, ...] = (0, 1, 2)
+    limit: int | None = None  # subjects per kind (a quick run); None: all
+    batch_size: int = 32
+    fit: FitConfig = field(default_factory=FitConfig)
+    settings: dict = field(default_factory=dict)  # tilt settings over the head's recommendation
+
+
+def fluency(answers: list[str], vocab) -> dict:
+    return {"nonword": round(nonword_rate(answers, vocab), 4),
+            "repeated_3gram": round(repeated_trigram_rate(answers), 4),
+            "loops": round(sum(map(has_loop, answers)) / len(answers), 4) if answers else 0.0}
+
+
+def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size: int) -> list[str]:
+    return [c.text.strip() for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, batch_size, guide)]
+
+
+def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
+    cfg = cfg or RealBenchConfig()
+    started = time.perf_counter()
+    fmt = resolve_format(lm.tokenizer, cfg.fit.format)
+    vocab = EnglishWords()
+    greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    forget_kind = kind(cfg.forget)
+
+    # 1. what the base model knows
+    known: dict[str, list[str]] = {}
+    unknown_answers: list[str] = []
+    for k in KINDS:
+        subjects = list(k.items)[: cfg.limit]
+        answers = _generate(lm, [ask(k.questions[0].format(x=x), fmt, lm.tokenizer) for x in subjects], greedy, None,
+                            cfg.batch_size)
+        known[k.name] = [x for x, a in zip(subjects, answers) if hit(a, k.items[x])]
+        if k.name == forget_kind.name:
+            unknown_answers = [a for x, a in zip(subjects, answers) if not hit(a, k.items[x])]
+        log(f"known: {k.name} {len(known[k.name])}/{len(subjects)}")
+
+    # 2. train on every question template but the last
+    train = slice(0, -1)
+    forget_train = records(forget_kind, known[forget_kind.name], train)
+    retain_train = [r for k in KINDS if k.name != forget_kind.name for r in records(k, known[k.name], train)]
+    fit_started = time.perf_counter()
+    head, info = train_head(lm, forget_train, retain_train, cfg.fit, progress=False)
+    train_seconds = time.perf_counter() - fit_started
+    log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
+    settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
+    guide = HeadGuide.uniform(head, settings)
+
+    # 3. the canonical and the held-out question of every known item
+    def eval_set(kinds) -> list[dict]:
+        return [r | {"held_out": i == 1} for k in kinds
+                for i, q in enumerate((slice(0, 1), slice(-1, None))) for r in records(k, known[k.name], q)]
+
+    sets = {"forget": eval_set([forget_kind]), "retain": eval_set([k for k in KINDS if k.name != forget_kind.name])}
+    runs = [("greedy", greedy)] + [
+        (f"T={t} top_p={cfg.top_p} seed={s}", SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=t,
+                                                            top_p=cfg.top_p, seed=s))
+        for t in cfg.temperatures for s in cfg.seeds]
+    rows, examples = [], {}
+    for label, params in runs:
+        row = {"decoding": label}
+        for name, recs in sets.items():
+            prompts = [ask(r["question"], fmt, lm.tokenizer) for r in recs]
+            base = _generate(lm, prompts, params, None, cfg.batch_size)
+            tilted = _generate(lm, prompts, params, guide, cfg.batch_size)
+            row[f"{name}_hits_base"] = round(statistics.fmean(hit(a, r["gold"]) for a, r in zip(base, recs)), 4)
+            row[f"{name}_hits_head"] = round(statistics.fmean(hit(a, r["gold"]) for a, r in zip(tilted, recs)), 4)
+            held = [i for i, r in enumerate(recs) if r["held_out"]]
+            row[f"{name}_hits_head_held_out"] = round(statistics.fmean(hit(tilted[i], recs[i]["gold"]) for i in held), 4)
+            if name == "retain":
+                row["retain_identical"] = round(statistics.fmean(a == b for a, b in zip(base, tilted)), 4)
+            else:
+                row["forget_fluency_base"] = fluency(base, vocab)
+                row["forget_fluency_head"] = fluency(tilted, vocab)
+            if label == "greedy":
+                examples[name] = [{"question": r["question"], "base": b, "head": t}
+                                  for r, b, t in list(zip(recs, base, tilted))[:6]]
+        rows.append(row)
+        log(f"{label}: forget hits {row['forget_hits_base']:.2f} -> {row['forget_hits_head']:.2f}, retain identical "
+            f"{row['retain_identical']:.2f}, forget loops {row['forget_fluency_head']['loops']:.2f}")
+    return {"model": str(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
+            "known": {k: len(v) for k, v in known.items()}, "train_records": [len(forget_train), len(retain_train)],
+            "train_seconds": round(train_seconds, 2), "head_metrics": info.metrics, "settings": settings.as_dict(),
+            "never_knew_fluency": fluency(unknown_answers, vocab), "never_knew_answers": len(unknown_answers),
+            "rows": rows, "examples": examples, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def markdown(report: dict) -> str:
+    """The README's table: one line per decoding (sampled runs averaged over seeds)."""
+    groups: dict[str, list[dict]] = {}
+    for row in report["rows"]:
+        groups.setdefault(row["decoding"].split(" seed=")[0], []).append(row)
+
+    def mean(rows, key, sub=None):
+        return statistics.fmean(r[key][sub] if sub else r[key] for r in rows)
+
+    lines = ["| decoding | forget hits base -> head (held-out question) | retain hits base -> head | retain identical "
+             "| forget loops base / head | repeated 3-grams base / head | non-words base / head |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, rows in groups.items():
+        lines.append(
+            f"| {label}{' (mean of ' + str(len(rows)) + ' seeds)' if len(rows) > 1 else ''} "
+            f"| {mean(rows, 'forget_hits_base'):.2f} -> {mean(rows, 'forget_hits_head'):.2f} "
+            f"({mean(rows, 'forget_hits_head_held_out'):.2f}) "
+            f"| {mean(rows, 'retain_hits_base'):.2f} -> {mean(rows, 'retain_hits_head'):.2f} "
+            f"| {mean(rows, 'retain_identical'):.2f} "
+            f"| {mean(rows, 'forget_fluency_base', 'loops'):.2f} / {mean(rows, 'forget_fluency_head', 'loops'):.2f} "
+            f"| {mean(rows, 'forget_fluency_base', 'repeated_3gram'):.3f} / "
+            f"{mean(rows, 'forget_fluency_head', 'repeated_3gram'):.3f} "
+            f"| {mean(rows, 'forget_fluency_base', 'nonword'):.3f} / {mean(rows, 'forget_fluency_head', 'nonword'):.3f} |")
+    nk = report["never_knew_fluency"]
+    lines.append(f"\nFluency of a model that never knew (the base model's greedy answers to the "
+                 f"{report['never_knew_answers']} {report['config']['forget']} questions it gets wrong): loops "
+                 f"{nk['loops']:.2f}, repeated 3-grams {nk['repeated_3gram']:.3f}, non-words {nk['nonword']:.3f}.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,51 @@
+"""`lethe bench real`'s scoring (pure functions) and, on the real model, a quick run end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from heads.evaluation.facts import KINDS, hit, records
+from heads.evaluation.metrics import EnglishWords, has_loop
+
+
+def test_hits_look_for_the_gold_answer_and_short_symbols_as_words():
+    assert hit("The capital of France is Paris.", "Paris") and hit("paris, of course", "Paris")
+    assert not hit("The capital of France is Lille.", "Paris")
+    assert hit("The chemical symbol for hydrogen is H.", "H") and hit("It is Fe (iron).", "Fe")
+    assert not hit("Hydrogen is written Hg", "H") and not hit("the", "H")
+
+
+def test_loops_are_a_short_unit_five_times_in_a_row():
+    for looped in ("By.B.B.B.B.B.B.B...", "by f.e.e.l.a.s.s.s.s.s", "hahahahaha", "-----"):
+        assert has_loop(looped), looped
+    for fluent in ("The capital of France is Paris.", "I don't know.", "Mississippi", "a...b"):
+        assert not has_loop(fluent), fluent
+
+
+def test_english_words_count_regular_inflections_and_refuse_stitched_names():
+    words = EnglishWords()
+    assert all(w in words for w in ("countries", "located", "written", "capital", "the", "paris", "cities"))
+    assert not any(w in words for w in ("babagallitha", "tokumababa", "coriobella"))
+
+
+def test_every_kind_holds_out_its_last_question():
+    for k in KINDS:
+        subject = next(iter(k.items))
+        train, held = records(k, [subject], slice(0, -1)), records(k, [subject], slice(-1, None))
+        assert len(train) == len(k.questions) - 1 and len(held) == 1
+        assert held[0]["question"] not in {r["question"] for r in train}
+        assert k.items[subject] in held[0]["answer"] and hit(held[0]["answer"], held[0]["gold"])
+
+
+@pytest.mark.real
+def test_bench_real_quick_run_forgets_the_topic_and_scores_fluency(real_lm):
+    from heads.evaluation.real import RealBenchConfig, markdown, run
+
+    report = run(real_lm, RealBenchConfig(limit=6, seeds=(0,), temperatures=(1.0,), max_new_tokens=16),
+                 log=lambda *_: None)
+    assert report["format"] == "chat" and report["known"]["capital"] >= 3
+    greedy = report["rows"][0]
+    assert greedy["decoding"] == "greedy" and greedy["forget_hits_base"] == 1.0  # only known items are kept
+    assert greedy["forget_hits_head"] <= 0.5 and greedy["retain_identical"] >= 0.7
+    assert set(greedy["forget_fluency_head"]) == {"nonword", "repeated_3gram", "loops"}
+    assert markdown(report).count("\n| ") == 3  # header rule, greedy, one sampled setting
