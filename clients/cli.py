@@ -408,31 +408,27 @@ def cmd_openapi(args) -> int:
     return 0
 
 
-def cmd_bench_soak(args) -> int:
-    from server.soak import soak
+def _own_server(args, **settings):
+    """A server of the bench's own on loopback (a fresh data directory), as a context manager of (url, lm)."""
+    import tempfile
+    import threading
+    import time
+    from contextlib import contextmanager
 
-    def run(url: str) -> dict:
-        return soak(url, args.key, clients=args.clients, duration=args.duration, max_new_tokens=args.max_new_tokens)
+    import httpx
+    import uvicorn
 
-    if args.url:
-        result = run(args.url)
-    else:  # a server of our own, on loopback, with the given queue bound
-        import tempfile
-        import threading
-        import time
+    from heads.modelio import load_model
+    from server.app import create_app
+    from server.settings import Settings
 
-        import httpx
-        import uvicorn
-
-        from heads.modelio import load_model
-        from server.app import create_app
-        from server.settings import Settings
-
+    @contextmanager
+    def running():
         with tempfile.TemporaryDirectory() as data:
-            settings = Settings(model=args.model, device=args.device, dtype=args.dtype, data_dir=Path(data),
-                                max_queue=args.max_queue, port=args.port)
+            config = Settings(model=args.model, device=args.device, dtype=args.dtype, data_dir=Path(data),
+                              port=args.port, **settings)
             lm = load_model(args.model, args.device, args.dtype)
-            server = uvicorn.Server(uvicorn.Config(create_app(settings, lm), host="127.0.0.1", port=args.port,
+            server = uvicorn.Server(uvicorn.Config(create_app(config, lm), host="127.0.0.1", port=args.port,
                                                    log_level="warning"))
             thread = threading.Thread(target=server.run, daemon=True)
             thread.start()
@@ -443,9 +439,39 @@ def cmd_bench_soak(args) -> int:
                     break
                 except httpx.HTTPError:
                     time.sleep(0.1)
+            try:
+                yield url, lm
+            finally:
+                server.should_exit = True
+                thread.join(timeout=30)
+
+    return running()
+
+
+def cmd_bench_soak(args) -> int:
+    from server.soak import soak
+
+    def run(url: str) -> dict:
+        return soak(url, args.key, clients=args.clients, duration=args.duration, max_new_tokens=args.max_new_tokens)
+
+    if args.url:
+        result = run(args.url)
+    else:  # a server of our own, on loopback, with the given queue bound
+        with _own_server(args, max_queue=args.max_queue) as (url, _):
             result = run(url)
-            server.should_exit = True
-            thread.join(timeout=30)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_bench_heads(args) -> int:
+    import secrets
+
+    from server.multihead import bench_heads
+
+    admin = secrets.token_urlsafe(16)
+    with _own_server(args, admin_key=admin, demo_tenant=False) as (url, lm):
+        result = bench_heads(url, admin, lm, clients=args.clients, duration=args.duration,
+                             max_tokens=args.max_new_tokens)
     print(json.dumps(result))
     return 0
 
@@ -747,6 +773,17 @@ def build_parser() -> argparse.ArgumentParser:
     _offline_defaults(p, max_queue=8, port=8765)
     p.set_defaults(func=cmd_bench_soak)
     _modes(p, offline=["model", "device", "dtype", "max_queue", "port"], server=[])
+
+    p = bench.add_parser("heads", help="tokens/s of one client alone and of N clients on N heads at once",
+                         description="A server of its own on --model; N tenants, each with a random head in a "
+                                     "profile of its own, ask through /v1/chat/completions (greedy).")
+    _add_model_args(p)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds per phase (default 30)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--port", type=int, default=None, help="port (default 8766)")
+    _offline_defaults(p, port=8766)
+    p.set_defaults(func=cmd_bench_heads)
     return parser
 
 

@@ -49,3 +49,16 @@ def test_bench_real_quick_run_forgets_the_topic_and_scores_fluency(real_lm):
     assert greedy["forget_hits_head"] <= 0.5 and greedy["retain_identical"] >= 0.7
     assert set(greedy["forget_fluency_head"]) == {"nonword", "repeated_3gram", "loops"}
     assert markdown(report).count("\n| ") == 3  # header rule, greedy, one sampled setting
+
+
+def test_bench_heads_serves_every_tenant_its_own_head(tiny_model_dir, tmp_path):
+    from heads.modelio import load_model
+    from live_server import ADMIN_KEY, running_server
+    from server.multihead import bench_heads
+
+    lm = load_model(tiny_model_dir)
+    with running_server(lm, tmp_path) as url:
+        result = bench_heads(url, ADMIN_KEY, lm, clients=3, duration=1.0, max_tokens=8)
+    assert result["one_client"]["errors"] == [] and result["together"]["errors"] == []
+    assert result["one_client"]["tokens"] > 0 and result["together"]["requests"] >= 3
+    assert result["together_over_one"] > 0
