@@ -81,6 +81,29 @@ def unicode_problem(text: str) -> str | None:
     return None
 
 
+def text_problem(value, where: str = "", max_depth: int | None = None, depth: int = 0) -> str | None:
+    """Why a value holding strings, dicts and lists cannot be tokenized or shown back (a lone surrogate in any
+    string or key; with `max_depth`, nesting deeper than that), naming where; None if nothing."""
+    if max_depth is not None and depth > max_depth:
+        return f"{where or 'value'}: nested more than {max_depth} levels deep"
+    if isinstance(value, str):
+        problem = unicode_problem(value)
+        return f"{where or 'value'}: {problem}" if problem else None
+    if isinstance(value, dict):
+        items = [(f"{where}.{k}" if where else str(k), k, v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{where}[{i}]", None, v) for i, v in enumerate(value)]
+    else:
+        return None
+    for at, key, v in items:
+        if isinstance(key, str) and unicode_problem(key):
+            return f"{where or 'value'}: a key {unicode_problem(key)}"
+        problem = text_problem(v, at, max_depth, depth + 1)
+        if problem:
+            return problem
+    return None
+
+
 def _text(record: dict, key: str, line: int) -> str:
     value = record.get(key)
     if not isinstance(value, str):

@@ -226,12 +226,15 @@ class Engine:
     def _start_isolated(self, group: list[Pending]) -> tuple[Batch | None, list[Pending]]:
         """Prefill `group` together; if that raises, each request alone, so only the ones that fail alone fail
         (with their own error). Returns the batch of those that started (None if none did) and them."""
+        def fail(pending: Pending, error: Exception) -> None:
+            log.warning("request failed at prefill: %s: %s", type(error).__name__, error)
+            pending.future.set_exception(error)
+
         try:
             return self._start(group), group
         except Exception as e:
             if len(group) == 1:
-                log.warning("request failed at prefill: %s: %s", type(e).__name__, e)
-                group[0].future.set_exception(e)
+                fail(group[0], e)
                 return None, []
         started = []
         for pending in group:
@@ -239,8 +242,7 @@ class Engine:
                 self._start([pending])
                 started.append(pending)
             except Exception as e:
-                log.warning("request failed at prefill: %s: %s", type(e).__name__, e)
-                pending.future.set_exception(e)
+                fail(pending, e)
         return (self._start(started), started) if started else (None, [])
 
     def _start(self, group: list[Pending]) -> Batch:

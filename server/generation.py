@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 
@@ -52,20 +53,27 @@ def _admit(request: Request, tenant: str | None, prompt: str, params: SamplingPa
     except BaseException:
         give_back()
         raise
-    resolved = replace(resolved, release=_both(resolved.release, give_back))
+    resolved = replace(resolved, release=_once(resolved.release, give_back))
     app.state.metrics.count_profile(resolved)  # by kind: a profile's name is the tenant's, never a label
     return resolved, prompt_tokens
 
 
-def _both(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
-    if first is None:
-        return second
+def _once(*releases: Callable[[], None] | None) -> Callable[[], None]:
+    """One function that gives back all a request holds (its adapter pin, its row), the first time it is
+    called and never again, whichever thread calls it."""
+    lock, held = threading.Lock(), [r for r in releases if r is not None]
 
     def release() -> None:
-        try:
-            first()
-        finally:
-            second()
+        with lock:
+            todo = held[:]
+            held.clear()
+        for i, give_back in enumerate(todo):
+            try:
+                give_back()
+            except BaseException:
+                for rest in todo[i + 1:]:  # one failing must not keep the others held
+                    rest()
+                raise
 
     return release
 

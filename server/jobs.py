@@ -113,11 +113,9 @@ class JobRunner:
 
     def _public(self, message: str) -> str:
         """A job's error as its tenant may see it: no server paths."""
-        for path, name in ((self.store.dir.resolve(), "<data>"), (self.store.dir, "<data>"),
-                           (getattr(self.engine.lm, "path", None), "<model>")):
-            if path is not None and str(path) not in ("", "."):
-                message = message.replace(str(path), name)
-        return message
+        model = str(getattr(self.engine.lm, "path", "") or "")
+        message = self.store.public(message)
+        return message.replace(model, "<model>") if model not in ("", ".") else message
 
     def _progress(self, job_id: str, cancel: threading.Event, spans: dict[str, tuple[float, float]]):
         """A callback `(phase, fraction)` that writes the overall progress and raises when cancelled."""

@@ -34,7 +34,8 @@ class Resolved:
     version: int | None
     row: tuple[T3Head, TiltSettings] | None  # None: no T3 head
     adapter: str | None = None  # an attached ASU adapter's name; None: the base weights
-    release: Callable[[], None] | None = field(default=None, compare=False)  # unpins the adapter, once
+    # gives back what the request holds (its adapter pin, its row in flight); called once (generation._once)
+    release: Callable[[], None] | None = field(default=None, compare=False)
 
     def done(self) -> None:
         """The request ended (finished, failed or never admitted): its adapter may be detached from now on."""
@@ -76,9 +77,9 @@ class AdapterCache:
         try:
             return load_asu(self.store.asu_path(weights_id), self.engine.lm.fingerprint, self.shapes, self.n_layers)
         except BaseMismatch as e:
-            raise ProfileError(409, "weights", str(e).replace(str(self.store.dir), "<data>")) from None
+            raise ProfileError(409, "weights", self.store.public(str(e))) from None
         except HeadFileError as e:
-            raise ProfileError(422, "weights", str(e).replace(str(self.store.dir), "<data>")) from None
+            raise ProfileError(422, "weights", self.store.public(str(e))) from None
 
     def check(self, tenant_id: str, weights_id: str) -> None:
         """404 unless the tenant has these weights (for a spec that is stored, not used yet)."""
@@ -123,12 +124,8 @@ class AdapterCache:
                 self._names.move_to_end(weights_id)
                 self._pins[weights_id] = self._pins.get(weights_id, 0) + 1
                 name = self._names[weights_id]
-        released = threading.Event()
 
         def release() -> None:
-            if released.is_set():
-                return
-            released.set()
             with self._lock:
                 self._pins[weights_id] -= 1
                 if self._pins[weights_id] == 0:
@@ -179,9 +176,9 @@ class HeadCache:
             head, info = load_head(self.store.head_path(head_id), self.lm.fingerprint, cfg.vocab_size,
                                    cfg.hidden_size)
         except BaseMismatch as e:
-            raise ProfileError(409, "head", str(e).replace(str(self.store.dir), "<data>")) from None
+            raise ProfileError(409, "head", self.store.public(str(e))) from None
         except HeadFileError as e:
-            raise ProfileError(422, "head", str(e).replace(str(self.store.dir), "<data>")) from None
+            raise ProfileError(422, "head", self.store.public(str(e))) from None
         head.to(self.lm.device)
         with self._lock:
             self._heads[head_id] = (head, info.profile)

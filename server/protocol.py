@@ -12,38 +12,23 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
 from heads.t3.guide import MAX_CANDIDATES, MIN_T
-from heads.records import unicode_problem
+from heads.records import text_problem
 from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
 
 MAX_PROMPT_CHARS = 1_000_000  # beyond any context we serve; the body limit bounds it first anyway
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
 
 
-def check_text(value, where: str = "") -> None:
-    """Every string in a request, however deep, must be valid Unicode (JSON escapes can make lone surrogates,
-    which no tokenizer encodes): one check for every schema, so no field is forgotten."""
-    if isinstance(value, str):
-        problem = unicode_problem(value)
-        if problem:
-            raise ValueError(f"{where or 'text'}: {problem}")
-    elif isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            check_text(getattr(value, name), f"{where}.{name}" if where else name)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_text(k, where)
-            check_text(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            check_text(v, f"{where}[{i}]")
-
-
 class ValidText(BaseModel):
-    """Base of every request schema: all strings valid Unicode."""
+    """Base of every request schema: every string, however deep, valid Unicode (JSON escapes can make lone
+    surrogates, which no tokenizer encodes): one check for every schema, so no field is forgotten. A nested
+    schema checks its own fields."""
 
     @model_validator(mode="after")
     def _valid_unicode(self):
-        check_text(self)
+        problem = text_problem({name: getattr(self, name) for name in type(self).model_fields})
+        if problem:
+            raise ValueError(problem)
         return self
 
 

@@ -82,12 +82,8 @@ class Quotas:
                 raise QuotaExceeded(f"quota: at most {limit} generation requests in flight for {who} "
                                     f"(LETHE_QUOTA_ROWS)", retry_after=1)
             self._rows[tenant_id] = held + 1
-        given_back = threading.Event()
 
         def give_back() -> None:
-            if given_back.is_set():
-                return
-            given_back.set()
             with self._lock:
                 self._rows[tenant_id] -= 1
                 if not self._rows[tenant_id]:

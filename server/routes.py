@@ -90,12 +90,19 @@ def _store_dataset(request: Request, tenant_id: str, data: bytes, name: str | No
         raise HTTPException(422, detail=[{"loc": ["body", f"line {e.line}", e.field], "msg": e.message,
                                           "type": "value_error"}]) from None
     del text
-    with request.app.state.quotas.guard(tenant_id):
-        request.app.state.quotas.dataset(tenant_id, len(data))
-        dataset_id = new_id("ds")
-        atomic_write_bytes(store.dataset_path(dataset_id), data)
-        row = (dataset_id, tenant_id, name, count, hashlib.sha256(data).hexdigest(), len(data), time.time())
-        store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
+    quotas = request.app.state.quotas
+    quotas.dataset(tenant_id, len(data))  # refused before the file is written; checked again with the insert
+    dataset_id = new_id("ds")
+    path = store.dataset_path(dataset_id)
+    atomic_write_bytes(path, data)
+    row = (dataset_id, tenant_id, name, count, hashlib.sha256(data).hexdigest(), len(data), time.time())
+    try:
+        with quotas.guard(tenant_id):  # held for the check and the insert only, not for the write
+            quotas.dataset(tenant_id, len(data))
+            store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return DatasetOut(id=row[0], name=row[2], records=row[3], sha256=row[4], bytes=row[5], created=row[6])
 
 
@@ -253,28 +260,28 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
     nothing stays behind (no file, no row)."""
     from starlette.concurrency import run_in_threadpool
 
+    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
+    # reading tensors, writing the file and waiting for the tenant's quota lock are not for the event loop
+    return await run_in_threadpool(_store_trained, request, tenant_id, table, prefix, check, out, data)
+
+
+def _store_trained(request: Request, tenant_id: str, table: str, prefix: str, check, out, data: bytes):
     from heads.t3.head import BaseMismatch, HeadFileError
 
-    store = request.app.state.store
-    data, _ = await _read_upload(request, request.app.state.settings.max_upload_bytes)
-    request.app.state.quotas.stored(tenant_id, table)
+    store, quotas = request.app.state.store, request.app.state.quotas
+    quotas.stored(tenant_id, table)  # refused before the file is written; checked again with the insert
     item_id = new_id(prefix)
     path = store.head_path(item_id) if table == "heads" else store.asu_path(item_id)
     atomic_write_bytes(path, data)
     row = {"id": item_id, "tenant_id": tenant_id, "job_id": None, "bytes": len(data), "created": time.time()}
     try:
-        row["info"] = json.dumps(await run_in_threadpool(check, path))  # reading tensors is not for the event loop
-        response = out(row)
-        response.model_dump_json()  # what GET will show must serialise, or the row is never stored
-    except (HeadFileError, BaseMismatch, ValueError, KeyError, TypeError) as e:
-        path.unlink(missing_ok=True)
-        status = 409 if isinstance(e, BaseMismatch) else 422
-        raise field_error("file", str(e).replace(str(path), "upload"), status) from None
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    quotas = request.app.state.quotas
-    try:
+        try:
+            row["info"] = json.dumps(check(path))
+            response = out(row)
+            response.model_dump_json()  # what GET will show must serialise, or the row is never stored
+        except (HeadFileError, BaseMismatch, ValueError, KeyError, TypeError) as e:
+            status = 409 if isinstance(e, BaseMismatch) else 422
+            raise field_error("file", str(e).replace(str(path), "upload"), status) from None
         with quotas.guard(tenant_id):
             quotas.stored(tenant_id, table)
             store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",

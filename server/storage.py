@@ -116,6 +116,12 @@ class Store:
         assert table in TABLES
         return [dict(r) for r in self.q(f"SELECT * FROM {table} WHERE tenant_id = ? ORDER BY created", tenant_id)]
 
+    def public(self, message: str) -> str:
+        """A message as a tenant may see it: the data directory's path (as given and resolved) masked."""
+        for path in sorted({str(self.dir.resolve()), str(self.dir)} - {"", "."}, key=len, reverse=True):
+            message = message.replace(path, "<data>")
+        return message
+
     def dataset_path(self, dataset_id: str) -> Path:
         return self.dir / "datasets" / f"{dataset_id}.jsonl"
 

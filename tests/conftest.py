@@ -22,6 +22,21 @@ def tiny_records():
     return make_corpus(n_authors=4, seed=7)
 
 
+@pytest.fixture(scope="module")
+def sets(tiny_records, tmp_path_factory):
+    """The first author as the forget set, the others as the retain set, written as JSON Lines files:
+    (folder holding forget.jsonl and retain.jsonl, forget records, retain records)."""
+    import json
+
+    from heads.demo.corpus import split_by_author
+
+    folder = tmp_path_factory.mktemp("sets")
+    forget, retain = split_by_author(tiny_records, 1)
+    for name, recs in (("forget", forget), ("retain", retain)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return folder, forget, retain
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_records) -> Path:
     from heads.demo.build import BuildConfig, build

@@ -12,7 +12,6 @@ import pytest
 
 from clients.cli import main
 from clients.client import Lethe
-from heads.demo.corpus import split_by_author
 from heads.modelio import load_model
 from live_server import ADMIN_KEY, running_server
 from server.settings import DEMO_MODEL
@@ -31,15 +30,6 @@ def server(model_dir, tmp_path_factory):
     with running_server(load_model(model_dir), tmp_path_factory.mktemp("data")) as url:
         key = Lethe(url, key=ADMIN_KEY).create_tenant("modes").api_key
         yield url, key
-
-
-@pytest.fixture(scope="module")
-def sets(tiny_records, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sets")
-    forget, retain = split_by_author(tiny_records, 1)
-    for name, recs in (("forget", forget), ("retain", retain)):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return str(folder / "forget.jsonl"), str(folder / "retain.jsonl")
 
 
 @pytest.fixture
@@ -71,10 +61,16 @@ def server_state(url: str, key: str) -> tuple[list, list]:
         return c.list_jobs(), c.list_datasets()
 
 
-def test_lethe_url_with_offline_options_is_refused_and_nothing_reaches_the_server(on_server, sets, model_dir,
+@pytest.fixture(scope="module")
+def set_files(sets) -> tuple[str, str]:
+    """The forget and retain JSON Lines files, as paths on a command line."""
+    return str(sets[0] / "forget.jsonl"), str(sets[0] / "retain.jsonl")
+
+
+def test_lethe_url_with_offline_options_is_refused_and_nothing_reaches_the_server(on_server, set_files, model_dir,
                                                                                   tmp_path, capsys):
     url, key = on_server
-    forget, retain = sets
+    forget, retain = set_files
     out = tmp_path / "head.safetensors"
     rc, stdout, err = run(capsys, "heads", "train", "--model", str(model_dir), "--forget", forget,
                           "--retain", retain, "--out", str(out), "--quiet")
@@ -97,9 +93,9 @@ def test_lethe_url_with_offline_options_is_refused_and_nothing_reaches_the_serve
     assert rc == 2 and "offline" in err and not (tmp_path / "c").exists(), "an offline-only command refuses --url"
 
 
-def test_local_runs_offline_despite_lethe_url_and_writes_the_file(on_server, sets, model_dir, tmp_path, capsys):
+def test_local_runs_offline_despite_lethe_url_and_writes_the_file(on_server, set_files, model_dir, tmp_path, capsys):
     url, key = on_server
-    forget, retain = sets
+    forget, retain = set_files
     head = tmp_path / "head.safetensors"
     rc, stdout, err = run(capsys, "heads", "train", "--local", "--model", str(model_dir), "--forget", forget,
                           "--retain", retain, "--out", str(head), "--rank", "4", "--epochs", "3", "--quiet")
@@ -127,8 +123,8 @@ def test_missing_or_garbage_head_or_weights_offline_is_an_error(offline, flag, m
         assert path.name in err, err
 
 
-def test_server_options_offline_are_refused(offline, sets, model_dir, tmp_path, capsys, monkeypatch):
-    forget, retain = sets
+def test_server_options_offline_are_refused(offline, set_files, model_dir, tmp_path, capsys, monkeypatch):
+    forget, retain = set_files
     rc, stdout, err = run(capsys, "generate", "--model", str(model_dir), "--profile", "forget-demo", PROMPT)
     assert rc == 2 and stdout == "", "--profile offline must not fall back to the base model"
     assert "--profile" in err and "--url" in err and "LETHE_URL" in err, err

@@ -1,12 +1,10 @@
 """The Python client against a real server: every endpoint, sync and async, and the error paths."""
 
 import asyncio
-import json
 
 import pytest
 
 from clients.client import AsyncLethe, Lethe, LetheError
-from heads.demo.corpus import split_by_author
 from heads.modelio import load_model
 from heads.records import question_prompt
 from live_server import ADMIN_KEY, running_server
@@ -16,15 +14,6 @@ from live_server import ADMIN_KEY, running_server
 def server(tiny_model_dir, tmp_path_factory):
     with running_server(load_model(tiny_model_dir), tmp_path_factory.mktemp("data")) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def sets(tiny_records, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sets")
-    forget, retain = split_by_author(tiny_records, 1)
-    for name, recs in (("forget", forget), ("retain", retain)):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return folder, forget, retain
 
 
 def test_every_endpoint_through_the_sync_client(server, sets):

@@ -31,6 +31,10 @@ from server.settings import Settings
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
 
+def _jsonl(records) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
 def _tenant(client, name) -> dict:
     r = client.post("/admin/tenants", json={"name": name}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     return {"Authorization": f"Bearer {r.json()['api_key']}"}
@@ -292,7 +296,7 @@ def test_delete_guard_covers_profile_history_and_jobs(served, tiny_lm, tmp_path,
     assert client.post("/generate", json={"prompt": "hi", "profile": "hist"}, headers=alice).status_code == 200
     client.delete("/v1/profiles/hist", headers=alice)
     # a queued eval job that names the head, and its datasets
-    recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:4]).encode()
+    recs = _jsonl(tiny_records[:4])
     f = client.post("/v1/datasets", content=recs, headers=alice).json()["id"]
     blocker = threading.Event()
     jobs = client.app.state.jobs
@@ -336,7 +340,7 @@ def test_a_running_job_and_a_first_attach_never_stall_others(tiny_model_dir, tin
     lm = load_model(tiny_model_dir)
     with running_server(lm, tmp_path) as url:
         c = new_tenant(url, "t")
-        recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:8]).encode()
+        recs = _jsonl(tiny_records[:8])
         d = c.post("/v1/datasets", content=recs).json()["id"]
         w = c.post("/v1/asu/upload", files={"file": ("w", _asu_file(tmp_path / "w.safetensors", lm).read_bytes())})
         assert w.status_code == 201, w.text
@@ -464,7 +468,7 @@ def test_quotas_answer_429_and_jobs_take_turns_across_tenants(tiny_model_dir, tm
     lm = load_model(tiny_model_dir)
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
                         quota_datasets=2, quota_jobs=3, quota_rows=2, max_new_tokens_limit=512)
-    recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:4]).encode()
+    recs = _jsonl(tiny_records[:4])
     with TestClient(create_app(settings, lm)) as client:
         a, b = _tenant(client, "a"), _tenant(client, "b")
         ds = [client.post("/v1/datasets", content=recs, headers=a) for _ in range(3)]
@@ -567,7 +571,7 @@ def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_di
         # the client and the server share this process, so some wait is the client's; parsing on the event loop
         # made it 3-4 s here
         assert max(waits) < 1.0, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
-        recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:20]).encode()
+        recs = _jsonl(tiny_records[:20])
         d = c.post("/v1/datasets", content=recs).json()["id"]
         job = c.post("/v1/eval", json={"forget": d, "retain": d, "seeds": list(range(10)), "max_new_tokens": 200})
         assert job.status_code == 202, job.text
@@ -587,7 +591,7 @@ def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_di
 def test_concurrent_submissions_cannot_pass_a_quota_together(tiny_model_dir, tmp_path, tiny_records):
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
                         quota_jobs=3, quota_datasets=3)
-    recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:4]).encode()
+    recs = _jsonl(tiny_records[:4])
     with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
         a = _tenant(client, "a")
         gate = threading.Event()
@@ -605,7 +609,7 @@ def test_concurrent_submissions_cannot_pass_a_quota_together(tiny_model_dir, tmp
 
 def test_a_chat_format_job_on_a_model_without_a_template_is_422(served, tiny_records):
     client, _, alice, _ = served
-    recs = "".join(json.dumps(r) + "\n" for r in tiny_records[:4]).encode()
+    recs = _jsonl(tiny_records[:4])
     d = client.post("/v1/datasets", content=recs, headers=alice).json()["id"]
     for route in ("/v1/heads", "/v1/asu", "/v1/eval"):
         r = client.post(route, json={"forget": d, "retain": d, "format": "chat"}, headers=alice)

@@ -160,25 +160,6 @@ def read_lethe_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor], str
     return tensors, raw
 
 
-def _metadata_problem(value, where: str = "", depth: int = 0) -> str | None:
-    """Why metadata cannot be stored and shown back (nested too deep, a string that is not valid Unicode)."""
-    from heads.records import unicode_problem
-
-    if depth > 16:
-        return f"{where or 'value'}: nested more than 16 levels deep"
-    if isinstance(value, str):
-        problem = unicode_problem(value)
-        return f"{where or 'value'}: {problem}" if problem else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        if isinstance(k, str) and unicode_problem(k):
-            return f"{where or 'value'}: a key {unicode_problem(k)}"
-        problem = _metadata_problem(v, f"{where}.{k}" if where else str(k), depth + 1)
-        if problem:
-            return problem
-    return None
-
-
 def parse_info(cls, raw: str, path: Path):
     """The metadata dataclass `cls` from a file's JSON metadata: every field of the right type, no unknown
     field (pydantic checks the types, so a list where a dict belongs is refused here, not at first use)."""
@@ -190,7 +171,9 @@ def parse_info(cls, raw: str, path: Path):
         raise HeadFileError(f"{path}: metadata is not readable JSON") from None
     if not isinstance(data, dict):
         raise HeadFileError(f"{path}: metadata is not a JSON object")
-    problem = _metadata_problem(data)
+    from heads.records import text_problem
+
+    problem = text_problem(data, max_depth=16)
     if problem:
         raise HeadFileError(f"{path}: metadata {problem}")
     unknown = sorted(set(data) - {f.name for f in fields(cls)})
