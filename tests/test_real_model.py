@@ -15,9 +15,9 @@ def test_the_gguf_file_and_its_prepared_directory_are_one_model(real_lm):
     from heads.modelio import ModelLoadError, load_model
     from heads.t3.head import HeadInfo, T3Head, load_head, save_head
 
-    gguf = load_model(REAL_GGUF)
+    gguf = load_model(REAL_GGUF, str(real_lm.device), str(real_lm.model.dtype).removeprefix("torch."))
     assert gguf.fingerprint == real_lm.fingerprint
-    ids = real_lm.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    ids = real_lm.tokenizer("The capital of France is", return_tensors="pt").input_ids.to(real_lm.device)
     with torch.no_grad():
         assert torch.equal(gguf.model(ids).logits, real_lm.model(ids).logits)
     assert gguf.tokenizer.chat_template == real_lm.tokenizer.chat_template

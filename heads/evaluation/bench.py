@@ -34,10 +34,18 @@ def _timed_runs(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            _synchronize()
             started = time.perf_counter()
             fn()
+            _synchronize()
             times[name].append(time.perf_counter() - started)
     return times
+
+
+def _synchronize() -> None:
+    """Wait for queued GPU work, so a timed run on CUDA counts its kernels (nothing to do on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _paired_ratio(runs: dict[str, list[float]], name: str, base: str) -> float:

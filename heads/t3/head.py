@@ -76,20 +76,24 @@ class T3Head(torch.nn.Module):
         Few operations, since this runs at every step: the down projection and the probe are one matmul
         (`_decoding_weights`), and only the k tokens' rows of W_up are read.
         """
-        down, bias, up, up_bias = self._decoding_weights()
+        down, bias, up, up_bias = self._decoding_weights(pooled.device)
         h = torch.addmm(bias, pooled.to(down.dtype), down.T)  # (B, r + 1): u, then the probe's "forget" logit
         z = torch.bmm(F.embedding(tokens, up), h.unsqueeze(-1)).squeeze(-1)  # up has a zero column for the probe
         if up_bias is not None:
             z = z + F.embedding(tokens, up_bias).squeeze(-1)
         return (h[:, self.rank:].sigmoid() if self.probe is not None else None), z
 
-    def _decoding_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """W_down and the negated probe as one (r + 1, d) matrix with its bias, W_up with a zero column.
+    def _decoding_weights(self, device: torch.device | str | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """W_down and the negated probe as one (r + 1, d) matrix with its bias, W_up with a zero column, on
+        `device` (default: the head's own), so a head trained on the CPU decodes beside a model on a GPU.
 
-        Built once and rebuilt only when a weight changes in place (training), so a serving head pays nothing.
+        Built once and rebuilt only when a weight changes in place (training) or another device asks, so a
+        serving head pays nothing.
         """
         params = list(self.parameters())
-        versions = [p._version for p in params]
+        device = torch.device(device) if device is not None else params[0].device
+        versions = [(p._version, p.data_ptr(), p.device) for p in params] + [device]
         cached = getattr(self, "_decoding", None)
         if cached is not None and cached[0] == versions:
             return cached[1]
@@ -101,7 +105,7 @@ class T3Head(torch.nn.Module):
             down = torch.cat(rows)
             up = torch.cat([self.up.weight, self.up.weight.new_zeros(self.up.out_features, len(rows) - 1)], 1)
             up_bias = None if self.up.bias is None else self.up.bias[:, None].clone()
-            weights = (down, torch.cat(bias), up, up_bias)
+            weights = tuple(None if w is None else w.to(device) for w in (down, torch.cat(bias), up, up_bias))
         self._decoding = (versions, weights)
         return weights
 
