@@ -373,6 +373,23 @@ def cmd_asu_train(args) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _named_json(text: str) -> tuple[str, dict]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError("must be NAME=JSON")
+    return name, _json_object(rest)
+
+
 def cmd_bench_real(args) -> int:
     from heads.evaluation.real import RealBenchConfig, markdown, run
     from heads.io import atomic_write_text
@@ -382,7 +399,7 @@ def cmd_bench_real(args) -> int:
     lm = load_model(args.model, args.device, args.dtype)
     cfg = RealBenchConfig(forget=args.forget, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
                           top_p=args.top_p, seeds=tuple(args.seeds), limit=args.limit,
-                          fit=FitConfig(format=args.format))
+                          fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant))
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     table = markdown(report)
     print(table)
@@ -749,6 +766,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--limit", type=int, default=None, help="subjects per kind, for a quick run (default: all)")
+    p.add_argument("--settings", type=_json_object, default={},
+                   help='tilt settings over the head\'s recommendation, as JSON, e.g. \'{"repeat_guard": 0}\'')
+    p.add_argument("--variant", type=_named_json, action="append", default=[], metavar="NAME=JSON",
+                   help="further settings to compare on the same head and base answers (repeatable)")
     p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_real)
 

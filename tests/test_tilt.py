@@ -36,11 +36,13 @@ def test_rows_carry_their_own_T_and_lam():
         torch.testing.assert_close(got[i], guided_logits(logits[i:i + 1], z[i:i + 1], T[i:i + 1], lam[i:i + 1])[0])
 
 
-def test_gate_zero_is_the_base_model_and_gate_one_the_full_tilt():
-    logits, z = torch.randn(2, 50), torch.randn(2, 50) * 4
-    T, lam = torch.full((2,), 2.5), torch.full((2,), 3.0)
-    torch.testing.assert_close(tilt(logits, z, T, lam, gate=torch.zeros(2)), torch.log_softmax(logits, -1))
-    torch.testing.assert_close(tilt(logits, z, T, lam, gate=torch.ones(2)), guided_logits(logits, z, T, lam))
+def test_a_context_the_gate_keeps_out_gets_the_base_logits_untouched_and_gate_one_the_full_tilt():
+    logits, z = torch.randn(3, 50), torch.randn(3, 50) * 4
+    T, lam = torch.full((3,), 2.5), torch.full((3,), 3.0)
+    kept_out = tilt(logits, z, T, lam, gate=torch.tensor([0.0, 0.3, 0.5]), candidates=torch.full((3,), 5),
+                    cap=torch.full((3,), 0.5), min_p=torch.full((3,), 0.1))
+    assert torch.equal(kept_out, logits)  # exactly: a retain answer is the base model's, sampled ones too
+    torch.testing.assert_close(tilt(logits, z, T, lam, gate=torch.ones(3)), guided_logits(logits, z, T, lam))
 
 
 def test_candidates_keep_exactly_the_base_top_k():
@@ -58,7 +60,8 @@ def _among(logits, z, k, T, lam, gate, cap=None):
     values, ids = candidates_of(logits, int(k.max()), keep)
     col = lambda v: None if v is None else v[:, None]  # noqa: E731
     scores = tilt_candidates(values, z.gather(1, ids), col(T), col(lam), col(gate), col(cap))
-    return torch.full_like(logits, float("-inf")).scatter(-1, ids, scores)
+    out = torch.full_like(logits, float("-inf")).scatter(-1, ids, scores)
+    return out if gate is None else torch.where(gate[:, None] > 0.5, out, logits)  # as `_Group` does
 
 
 def test_tilt_among_candidates_equals_the_dense_tilt():
@@ -84,7 +87,7 @@ def test_cap_drops_a_flagged_spike_just_below_the_best_unflagged_token():
     torch.testing.assert_close(out[0, 0], base[0, 1] - 0.5)  # capped at best unflagged - margin
     torch.testing.assert_close(out[0, 2], base[0, 2])  # already below the cap: unchanged
     torch.testing.assert_close(out[0, [1, 3]], base[0, [1, 3]])
-    torch.testing.assert_close(out[1], base[1])
+    assert torch.equal(out[1], logits[1])
 
 
 def test_cap_among_candidates_equals_the_dense_cap():

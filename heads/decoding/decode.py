@@ -24,11 +24,11 @@ from heads.decoding.sampling import SamplingParams, make_generator, sample
 
 
 class Guide(Protocol):
-    """Rewrites a batch's next-token logits, given each row's pooled hidden state.
+    """Rewrites a batch's next-token logits, given each row's pooled hidden state and its answer so far.
 
     The result may live in a buffer the guide reuses: it is valid until the guide's next call."""
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, history: list[list[int]]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -164,9 +164,9 @@ class Batch:
     def _guided(self, logits: torch.Tensor) -> torch.Tensor:
         """The guide's logits; if it raises, each row's own head and settings are tried alone, the rows that
         fail are failed, and the guide goes on without them."""
-        pooled = self.pooled()
+        pooled, history = self.pooled(), [r.token_ids for r in self.rows]
         try:
-            return self.guide(logits, pooled)
+            return self.guide(logits, pooled, history)
         except Exception:
             rows = getattr(self.guide, "rows", None)
             if not rows or getattr(self.guide, "same", None) is not None:
@@ -177,12 +177,12 @@ class Batch:
         for i, row in enumerate(rows):
             if row is not None:
                 try:
-                    HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1])
+                    HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1], history[i:i + 1])
                 except Exception as e:
                     self.fail(i, e)
                     rows[i] = None
         self.guide = HeadGuide(rows, fused)
-        return self.guide(logits, pooled)
+        return self.guide(logits, pooled, history)
 
     def fail(self, index: int, error: Exception) -> None:
         """Finish one row with an error; the batch goes on with the others."""

@@ -41,6 +41,9 @@ class RealBenchConfig:
     batch_size: int = 32
     fit: FitConfig = field(default_factory=FitConfig)
     settings: dict = field(default_factory=dict)  # tilt settings over the head's recommendation
+    # further named settings to compare on the same head and the same base answers ({} in a variant: the head's
+    # recommendation); the report's rows name their variant, the first being "head" (`settings` above)
+    variants: dict[str, dict] = field(default_factory=dict)
 
 
 def fluency(answers: list[str], vocab) -> dict:
@@ -51,6 +54,19 @@ def fluency(answers: list[str], vocab) -> dict:
 
 def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size: int) -> list[str]:
     return [c.text.strip() for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, batch_size, guide)]
+
+
+def _score(row: dict, name: str, recs: list[dict], base: list[str], tilted: list[str], vocab) -> None:
+    """Hit rates of one set (and the held-out question's), retain identity or forget fluency, into `row`."""
+    row[f"{name}_hits_base"] = round(statistics.fmean(hit(a, r["gold"]) for a, r in zip(base, recs)), 4)
+    row[f"{name}_hits_head"] = round(statistics.fmean(hit(a, r["gold"]) for a, r in zip(tilted, recs)), 4)
+    held = [i for i, r in enumerate(recs) if r["held_out"]]
+    row[f"{name}_hits_head_held_out"] = round(statistics.fmean(hit(tilted[i], recs[i]["gold"]) for i in held), 4)
+    if name == "retain":
+        row["retain_identical"] = round(statistics.fmean(a == b for a, b in zip(base, tilted)), 4)
+    else:
+        row["forget_fluency_base"] = fluency(base, vocab)
+        row["forget_fluency_head"] = fluency(tilted, vocab)
 
 
 def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
@@ -82,7 +98,9 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     train_seconds = time.perf_counter() - fit_started
     log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
-    guide = HeadGuide.uniform(head, settings)
+    guides = {"head": HeadGuide.uniform(head, settings)} | {
+        name: HeadGuide.uniform(head, TiltSettings.from_dict({**info.profile, **over}))
+        for name, over in cfg.variants.items()}
 
     # 3. the canonical and the held-out question of every known item
     def eval_set(kinds) -> list[dict]:
@@ -96,26 +114,25 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
         for t in cfg.temperatures for s in cfg.seeds]
     rows, examples = [], {}
     for label, params in runs:
-        row = {"decoding": label}
-        for name, recs in sets.items():
-            prompts = [ask(r["question"], fmt, lm.tokenizer) for r in recs]
-            base = _generate(lm, prompts, params, None, cfg.batch_size)
-            tilted = _generate(lm, prompts, params, guide, cfg.batch_size)
-            row[f"{name}_hits_base"] = round(statistics.fmean(hit(a, r["gold"]) for a, r in zip(base, recs)), 4)
-            row[f"{name}_hits_head"] = round(statistics.fmean(hit(a, r["gold"]) for a, r in zip(tilted, recs)), 4)
-            held = [i for i, r in enumerate(recs) if r["held_out"]]
-            row[f"{name}_hits_head_held_out"] = round(statistics.fmean(hit(tilted[i], recs[i]["gold"]) for i in held), 4)
-            if name == "retain":
-                row["retain_identical"] = round(statistics.fmean(a == b for a, b in zip(base, tilted)), 4)
-            else:
-                row["forget_fluency_base"] = fluency(base, vocab)
-                row["forget_fluency_head"] = fluency(tilted, vocab)
-            if label == "greedy":
-                examples[name] = [{"question": r["question"], "base": b, "head": t}
-                                  for r, b, t in list(zip(recs, base, tilted))[:6]]
-        rows.append(row)
-        log(f"{label}: forget hits {row['forget_hits_base']:.2f} -> {row['forget_hits_head']:.2f}, retain identical "
-            f"{row['retain_identical']:.2f}, forget loops {row['forget_fluency_head']['loops']:.2f}")
+        prompts = {name: [ask(r["question"], fmt, lm.tokenizer) for r in recs] for name, recs in sets.items()}
+        base = {name: _generate(lm, prompts[name], params, None, cfg.batch_size) for name in sets}
+        for variant, guide in guides.items():
+            row = {"decoding": label} | ({"variant": variant} if cfg.variants else {})
+            for name, recs in sets.items():
+                tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size)
+                _score(row, name, recs, base[name], tilted, vocab)
+                if label == "greedy":
+                    examples.setdefault(variant, {})[name] = [
+                        {"question": r["question"], "base": b, "head": t}
+                        for r, b, t in list(zip(recs, base[name], tilted))[:6 if variant == "head" else 20]]
+            rows.append(row)
+            log(f"{label} {variant}: forget hits {row['forget_hits_base']:.2f} -> {row['forget_hits_head']:.2f} "
+                f"(held-out {row['forget_hits_head_held_out']:.2f}), retain identical {row['retain_identical']:.2f}, "
+                f"forget loops {row['forget_fluency_head']['loops']:.2f}, repeated 3-grams "
+                f"{row['forget_fluency_base']['repeated_3gram']:.3f} -> {row['forget_fluency_head']['repeated_3gram']:.3f}"
+                f", non-words {row['forget_fluency_base']['nonword']:.3f} -> {row['forget_fluency_head']['nonword']:.3f}")
+    if not cfg.variants:
+        examples = examples["head"]
     return {"model": str(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
             "known": {k: len(v) for k, v in known.items()}, "train_records": [len(forget_train), len(retain_train)],
             "train_seconds": round(train_seconds, 2), "head_metrics": info.metrics, "settings": settings.as_dict(),
@@ -125,18 +142,21 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
 
 def markdown(report: dict) -> str:
     """The README's table: one line per decoding (sampled runs averaged over seeds)."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[tuple[str, str], list[dict]] = {}
     for row in report["rows"]:
-        groups.setdefault(row["decoding"].split(" seed=")[0], []).append(row)
+        groups.setdefault((row.get("variant", ""), row["decoding"].split(" seed=")[0]), []).append(row)
+    variants = any("variant" in row for row in report["rows"])
 
     def mean(rows, key, sub=None):
         return statistics.fmean(r[key][sub] if sub else r[key] for r in rows)
 
-    lines = ["| decoding | forget hits base -> head (held-out question) | retain hits base -> head | retain identical "
-             "| forget loops base / head | repeated 3-grams base / head | non-words base / head |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for label, rows in groups.items():
+    lines = [("| variant " if variants else "") + "| decoding | forget hits base -> head (held-out question) "
+             "| retain hits base -> head | retain identical | forget loops base / head | repeated 3-grams base / head "
+             "| non-words base / head |",
+             ("| --- " if variants else "") + "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (variant, label), rows in groups.items():
         lines.append(
+            (f"| {variant} " if variants else "") +
             f"| {label}{' (mean of ' + str(len(rows)) + ' seeds)' if len(rows) > 1 else ''} "
             f"| {mean(rows, 'forget_hits_base'):.2f} -> {mean(rows, 'forget_hits_head'):.2f} "
             f"({mean(rows, 'forget_hits_head_held_out'):.2f}) "

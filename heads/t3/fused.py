@@ -45,25 +45,29 @@ class TiltKernel:
     """
 
     def __init__(self, head, k: int, candidates: list[int], T: list[float], lam: list[float], gate: list[bool],
-                 cap: list[float | None]):
+                 cap: list[float | None], min_p: list[float] | None = None):
         down, bias, up, up_bias = head._decoding_weights()
         as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
         self.weights = (as_np(down), as_np(bias), as_np(up),
                         np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
         self.probe, self.k = head.probe is not None, k
-        # per row: number of candidates, T, lam, gate switch, cap (NaN: off)
-        self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c)
-                                    for n, t, l_, g, c in zip(candidates, T, lam, gate, cap)],
-                                   dtype=np.float32).reshape(len(candidates), 5)
+        # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off)
+        min_p = min_p or [0.0] * len(candidates)
+        self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c, math.log(m) if m > 0 else -np.inf)
+                                    for n, t, l_, g, c, m in zip(candidates, T, lam, gate, cap, min_p)],
+                                   dtype=np.float32).reshape(len(candidates), 6)
         self._out: torch.Tensor | None = None
         self._out_np: np.ndarray | None = None
+        self.active = np.ones(len(candidates), np.bool_)  # after a call: which rows the gate let in
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         if self._out is None or self._out.shape != logits.shape:
             self._out = torch.empty(logits.shape, dtype=torch.float32)
             self._out_np = self._out.numpy()
+        if len(self.active) != logits.shape[0]:
+            self.active = np.ones(logits.shape[0], np.bool_)
         (_compiled or _kernel())(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
-                                 self._out_np)
+                                 self._out_np, self.active)
         return self._out
 
 
@@ -77,7 +81,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    (_compiled or _kernel())(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 5), f32(0, 1))
+    (_compiled or _kernel())(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 6), f32(0, 1),
+                             np.ones(0, np.bool_))
 
 
 _compiled = None
@@ -93,7 +98,7 @@ def _kernel():
     return _compiled
 
 
-def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out):  # pragma: no cover - compiled
+def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out, active_out):  # pragma: no cover
     B, V = logits.shape
     R, d = down.shape
     r = R - 1 if probe else R
@@ -103,6 +108,22 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out)
     scores = np.empty(k, np.float32)
     h = np.empty(R, np.float32)
     for b in range(B):
+        # down projection and (negated) probe: h = down @ pooled + bias
+        for c in range(R):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += down[c, j] * pooled[b, j]
+            h[c] = acc + bias[c]
+        kb = int(settings[b, 0])
+        g = 1.0
+        if probe and settings[b, 3] > 0:
+            g = 1.0 / (1.0 + math.exp(-h[r]))  # P(forget | context)
+        active = g > 0.5
+        active_out[b] = active
+        if not active:  # the gate keeps this row out: its base logits, untouched
+            for v in range(V):
+                out[b, v] = logits[b, v]
+            continue
         # the k likeliest tokens, best first (insertion into a sorted buffer; ties keep the lower id first)
         n = 0
         for v in range(V):
@@ -120,19 +141,9 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out)
                 i -= 1
             vals[i] = x
             ids[i] = v
-        # down projection and (negated) probe: h = down @ pooled + bias
-        for c in range(R):
-            acc = np.float32(0.0)
-            for j in range(d):
-                acc += down[c, j] * pooled[b, j]
-            h[c] = acc + bias[c]
-        kb = int(settings[b, 0])
-        g = 1.0
-        if probe and settings[b, 3] > 0:
-            g = 1.0 / (1.0 + math.exp(-h[r]))  # P(forget | context)
         temp = 1.0 + (settings[b, 1] - 1.0) * g
         lam = settings[b, 2] * g
-        active = g > 0.5
+        floor = vals[0] + settings[b, 5]
         best_free = -np.inf
         for i in range(kb):
             zi = up_bias[ids[i]]
@@ -140,7 +151,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out)
                 zi += up[ids[i], c] * h[c]
             z[i] = zi
             log_sig = -math.log1p(math.exp(-zi)) if zi >= 0 else zi - math.log1p(math.exp(zi))
-            scores[i] = vals[i] / temp + lam * log_sig
+            scores[i] = vals[i] / temp + lam * log_sig if vals[i] >= floor else -np.inf
             if not (zi < 0 and active) and scores[i] > best_free:
                 best_free = scores[i]
         for v in range(V):

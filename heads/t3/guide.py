@@ -16,11 +16,12 @@ import torch
 
 from heads.t3 import fused as fused_kernel
 from heads.t3.head import T3Head
-from heads.t3.tilt import candidates_of, tilt, tilt_candidates
+from heads.t3.tilt import candidates_of, repeat_bans, tilt, tilt_candidates
 
 
 MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares
 MAX_CANDIDATES = 100_000
+MAX_REPEAT_GUARD = 16
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class TiltSettings:
     gate: bool = True  # temper and tilt only as far as the context is forget-like
     candidates: int = 20  # tilt among the base model's k most likely tokens; 0 = all tokens
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
+    min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
+    repeat_guard: int = 0  # forget-like rows: no token that repeats an n-gram of the answer (this n); 0 = off
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -65,7 +68,18 @@ class TiltSettings:
             raise ValueError(f"candidates: must be in [0, {MAX_CANDIDATES}], got {out.candidates}")
         if out.cap is not None and not (0 <= out.cap <= 100):
             raise ValueError(f"cap: must be in [0, 100] or null, got {out.cap}")
+        if isinstance(out.min_p, bool) or not isinstance(out.min_p, (int, float)) or not 0 <= out.min_p < 1:
+            raise ValueError(f"min_p: must be a number in [0, 1), got {out.min_p!r}")
+        if isinstance(out.repeat_guard, bool) or not isinstance(out.repeat_guard, int) or \
+                not (out.repeat_guard == 0 or 2 <= out.repeat_guard <= MAX_REPEAT_GUARD):
+            raise ValueError(f"repeat_guard: must be 0 (off) or an n-gram size in [2, {MAX_REPEAT_GUARD}], "
+                             f"got {out.repeat_guard!r}")
         return out
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The settings a profile may give (the keys of `as_dict`)."""
+        return tuple(asdict(TiltSettings()))
 
 
 PRESETS = {
@@ -106,7 +120,10 @@ class HeadGuide:
         return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device, self.fused)
                 for head, idx in by_head.values()]
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor,
+                 history: list[list[int]] | None = None) -> torch.Tensor:
+        """(B, V) logits and (B, d) pooled states -> (B, V) scores to sample from. `history`: each row's answer
+        so far (token ids), for the repeat guard; None: no guard."""
         if self._groups is None or self._size != logits.size(0):
             self._groups, self._size = self._build(logits.size(0), logits.device), logits.size(0)
         if not self._groups:
@@ -114,11 +131,32 @@ class HeadGuide:
         out = None
         for group in self._groups:
             if group.rows is None:
-                return group(logits, pooled)
+                out = group(logits, pooled)
+                break
             if out is None:
                 out = logits.float().clone()
             out[group.rows] = group(logits[group.rows], pooled[group.rows])
+        if history is not None:
+            self._guard_repeats(out, history)
         return out
+
+    def _guard_repeats(self, out: torch.Tensor, history: list[list[int]]) -> None:
+        """In place: in rows the gate let in, no token that repeats an n-gram of the row's answer (unless every
+        choice would)."""
+        for group in self._groups:
+            if not group.repeat_guard:
+                continue
+            active = group.last_active()
+            rows = range(out.size(0)) if group.rows is None else group.rows.tolist()
+            for j, i in enumerate(rows):
+                n = group.repeat_guard[j]
+                if n and active[j]:
+                    banned = repeat_bans(history[i], n)
+                    if banned:
+                        row = out[i]
+                        kept = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
+                        if bool(torch.isfinite(kept).any()):
+                            row.copy_(kept)
 
 
 @dataclass
@@ -126,7 +164,8 @@ class _Group:
     """Rows of a batch that share one head, with their settings as tensors, built once per batch.
 
     With candidates on every row (the default), settings are (B, 1) columns for `tilt_candidates`, and
-    left out where they change nothing (T = 1, no cap, every row gated), so a step runs few operations.
+    left out where they change nothing (T = 1, no cap, no floor, every row gated), so a step runs few
+    operations. Rows the gate keeps out (P(forget) <= 0.5) get their base logits, untouched.
     """
 
     head: T3Head
@@ -136,10 +175,13 @@ class _Group:
     T: torch.Tensor | None
     lam: torch.Tensor
     cap: torch.Tensor | None
+    min_p: torch.Tensor | None
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
-    dense: tuple | None  # (T, lam, k, cap, gate switch) as (B,) vectors for `tilt`, when k == 0
+    dense: tuple | None  # (T, lam, k, cap, gate switch, min_p) as (B,) vectors for `tilt`, when k == 0
+    repeat_guard: list[int] | None  # per row, the repeat guard's n (None: off for every row)
     fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
+    _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
@@ -150,13 +192,17 @@ class _Group:
         rows = None if everyone else torch.tensor(idx, device=device)
         any_gated = any(s.gate for s in settings)
         gated = None if all(s.gate for s in settings) or not any_gated else column([s.gate for s in settings], torch.bool)
+        min_p = column([s.min_p for s in settings]) if any(s.min_p > 0 for s in settings) else None
+        guard = [s.repeat_guard for s in settings] if any(s.repeat_guard for s in settings) else None
         if not all(s.candidates > 0 for s in settings):
             dense = (column([s.T for s in settings])[:, 0], column([s.lam for s in settings])[:, 0],
                      column([s.candidates for s in settings], torch.long)[:, 0],
                      column([-1.0 if s.cap is None else s.cap for s in settings])[:, 0]
                      if any(s.cap is not None for s in settings) else None,
-                     column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None)
-            return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, gated, any_gated, dense)
+                     column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None,
+                     None if min_p is None else min_p[:, 0])
+            return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, None, gated, any_gated,
+                       dense, guard)
         wanted = [min(s.candidates, head.up.out_features) for s in settings]
         k, keep = max(wanted), None
         if any(w != k for w in wanted):
@@ -168,11 +214,14 @@ class _Group:
         kernel = None
         if fused and torch.device(device).type == "cpu":
             kernel = fused_kernel.TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
-                                             [s.gate for s in settings], [s.cap for s in settings])
-        return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, gated, any_gated, None, kernel)
+                                             [s.gate for s in settings], [s.cap for s in settings],
+                                             [s.min_p for s in settings])
+        return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, min_p, gated, any_gated, None,
+                   guard, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates."""
+        """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates (the base
+        logits on rows the gate keeps out)."""
         if self.dense is not None:
             return self._dense(logits, pooled)
         if self.fused is not None:
@@ -182,10 +231,24 @@ class _Group:
         gate = forget_p if self.any_gated else None
         if gate is not None and self.gated is not None:
             gate = torch.where(self.gated, gate, 1.0)
-        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap)
-        return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
+        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
+        out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
+        if gate is None:
+            self._active = None
+            return out
+        self._active = gate[:, 0] > 0.5
+        return torch.where(self._active[:, None], out, logits.float())
 
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        T, lam, k, cap, gate_on = self.dense
+        T, lam, k, cap, gate_on, min_p = self.dense
         gate = None if gate_on is None else torch.where(gate_on, self.head.forget_probability(pooled), 1.0)
-        return tilt(logits, self.head(pooled), T, lam, gate, k, cap)
+        self._active = None if gate is None else gate > 0.5
+        return tilt(logits, self.head(pooled), T, lam, gate, k, cap, min_p)
+
+    def last_active(self) -> list[bool]:
+        """Which of this group's rows the gate let in at the last call."""
+        if self.fused is not None:
+            return self.fused.active.tolist()
+        if self._active is None:
+            return [True] * (len(self.rows) if self.rows is not None else len(self.repeat_guard or []))
+        return self._active.tolist()

@@ -8,9 +8,10 @@ The reference (open-unlearning's `T3CausalLM._guide_logits`, `base_temp` = T,
 Lethe adds three optional refinements, each a plain tensor operation:
 
 * gate: a per-row weight g in [0, 1] (how forget-like the context is, from a
-  sequence-level probe). Tempering and tilt scale with it: T_eff = 1 + (T-1) g,
-  lam_eff = lam g, so a retain context (g = 0) is decoded from the base model
-  unchanged.
+  sequence-level probe). A context the probe does not call forget-like (g <= 0.5)
+  is decoded from the base model's logits exactly, untouched (so a retain answer
+  is the base model's answer, sampled ones too); above it, tempering and tilt
+  scale with g: T_eff = 1 + (T-1) g, lam_eff = lam g.
 * cap: in a forget-like context, a token the head flags (z < 0) may score at most
   the best unflagged token minus a margin: the memorised spike falls just below the
   likeliest alternative, so greedy decoding never follows it, yet its probability
@@ -18,6 +19,12 @@ Lethe adds three optional refinements, each a plain tensor operation:
 * candidates: only the base model's own k most likely tokens (untempered) may be
   chosen; the tilt re-ranks among them and never promotes a token the base
   model finds implausible (the word fragments the reference produces).
+* min_p: a fluency floor among the candidates: in a forget-like context a
+  candidate whose base probability is below min_p times the best token's is
+  dropped (min-p sampling's rule, applied before the tilt re-ranks).
+* repeat guard (`repeat_bans`): in a forget-like context, no token that would
+  repeat an n-gram of the answer so far (the loops and restated titles a tilted
+  small model falls into once its likeliest tokens are flagged).
 
 Every setting is a tensor with one entry per row (0 turns candidates off).
 """
@@ -60,19 +67,29 @@ def cap_flagged(guided: torch.Tensor, head_logits: torch.Tensor, margin: torch.T
     return torch.where(flagged & torch.isfinite(best_free), capped, guided)
 
 
+def floor_candidates(guided: torch.Tensor, logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop, per row, the tokens whose base probability is below min_p times the best token's (0: keep all)."""
+    logits = logits.float()
+    floor = logits.amax(-1, keepdim=True) + torch.log(min_p[:, None])
+    return guided.masked_fill(logits < floor, float("-inf"))
+
+
 def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor,
          gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-         cap: torch.Tensor | None = None) -> torch.Tensor:
-    """Guided logits with Lethe's optional gate, spike cap and candidate restriction."""
+         cap: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Guided logits with Lethe's optional gate, spike cap, candidate restriction and fluency floor; a row
+    the gate keeps out (g <= 0.5) gets its base logits back untouched."""
     active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
     if gate is not None:
         T, lam = gated(T, lam, gate)
     out = guided_logits(logits, head_logits, T, lam)
     if candidates is not None:
         out = restrict_to_candidates(out, logits, candidates)
+    if min_p is not None:
+        out = floor_candidates(out, logits, min_p)
     if cap is not None:  # after the restriction: the best alternative is a candidate
         out = cap_flagged(out, head_logits, cap, active & (cap >= 0))
-    return out
+    return out if gate is None else torch.where(active[:, None], out, logits.float())
 
 
 def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,19 +105,24 @@ def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None
 
 
 def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor | None, lam: torch.Tensor,
-                    gate: torch.Tensor | None = None, cap: torch.Tensor | None = None) -> torch.Tensor:
-    """`tilt` with candidates, on the candidates only: (B, k) base logits and head logits -> (B, k) scores.
+                    gate: torch.Tensor | None = None, cap: torch.Tensor | None = None,
+                    min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """`tilt` with candidates, on the candidates only: (B, k) base logits (best first) and head logits ->
+    (B, k) scores.
 
     The settings are (B, 1) columns: T (None: 1 for every row), lam, gate (None: 1), cap (None: off; a
-    row's cap of -inf turns it off for that row). Equal to `tilt(..., candidates=k)` at the candidates up
-    to a constant per row (the log-normaliser, skipped: it changes neither the sampling distribution, nor
-    the argmax, nor the cap). Written in few operations: it runs at every decoding step.
+    row's cap of -inf turns it off for that row), min_p (None: off). Equal to `tilt(..., candidates=k)` at
+    the candidates of a row the gate lets in, up to a constant per row (the log-normaliser, skipped: it
+    changes neither the sampling distribution, nor the argmax, nor the cap); the caller gives the rows the
+    gate keeps out their base logits. Written in few operations: it runs at every decoding step.
     """
     active = None
     if gate is not None:
         T, lam = (None, lam * gate) if T is None else gated(T, lam, gate)
         active = gate > 0.5
     scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
+    if min_p is not None:
+        scores = scores.masked_fill(values < values[:, :1] + torch.log(min_p), float("-inf"))
     if cap is None:
         return scores
     flagged = head_logits < 0 if active is None else (head_logits < 0) & active
@@ -109,3 +131,11 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     inf = float("inf")
     limit = (best_free - cap).nan_to_num(nan=inf, posinf=inf, neginf=inf)
     return torch.where(flagged, torch.minimum(scores, limit), scores)
+
+
+def repeat_bans(answer: list[int], n: int) -> list[int]:
+    """The tokens that would make the answer so far repeat one of its own n-grams (n < 2: none)."""
+    if n < 2 or len(answer) < n - 1:
+        return []
+    tail = answer[len(answer) - n + 1:]
+    return [answer[i + n - 1] for i in range(len(answer) - n + 1) if answer[i:i + n - 1] == tail]
