@@ -130,8 +130,9 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
     head = T3Head(16, 70, 4).eval().requires_grad_(False)
     torch.nn.init.normal_(head.up.weight, std=3.0)
     torch.nn.init.normal_(head.probe.weight, std=0.5)
-    settings = [TiltSettings(), TiltSettings(T=2.0, lam=3.0, candidates=5), TiltSettings(gate=False, cap=None),
-                TiltSettings(T=1.5, cap=1.0, candidates=12), TiltSettings(T=2.5, gate=False, candidates=0, cap=None)]
+    settings = [TiltSettings(), TiltSettings(T=2.0, lam=3.0, candidates=5, min_p=0.05),
+                TiltSettings(gate=False, cap=None), TiltSettings(T=1.5, cap=1.0, candidates=12, min_p=0.3),
+                TiltSettings(T=2.5, gate=False, candidates=0, cap=None, min_p=0.01)]
     settings = settings[:rows]
     logits, pooled = torch.randn(rows, 70) * 3, torch.randn(rows, 16)
     with torch.inference_mode():
@@ -140,7 +141,8 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
             one = lambda v: torch.tensor([float(v)])  # noqa: E731
             gate = head.forget_probability(pooled[i:i + 1]) if s.gate else None
             want = tilt(logits[i:i + 1], head(pooled[i:i + 1]), one(s.T), one(s.lam), gate,
-                        torch.tensor([s.candidates]), None if s.cap is None else one(s.cap))
+                        torch.tensor([s.candidates]), None if s.cap is None else one(s.cap),
+                        one(s.min_p) if s.min_p else None)
             assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), i
             torch.testing.assert_close(torch.softmax(got[i], -1), torch.softmax(want[0], -1))
 
@@ -159,7 +161,8 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
     if probe:
         torch.nn.init.normal_(head.probe.weight, std=0.5)
     choices = [TiltSettings(), TiltSettings(T=2.5, lam=2.0, candidates=7), TiltSettings(gate=False, cap=None),
-               TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1)]
+               TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1),
+               TiltSettings(min_p=0.1, candidates=30, gate=False)]
     rows = [(head, choices[i % len(choices)]) for i in range(batch)]
     logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
     with torch.inference_mode():
@@ -176,3 +179,4 @@ def test_the_cpu_kernel_can_be_turned_off(monkeypatch):
     assert HeadGuide([]).fused
     monkeypatch.setenv("LETHE_FUSED_TILT", "0")
     assert not HeadGuide([]).fused
+

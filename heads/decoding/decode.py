@@ -20,15 +20,18 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from heads.decoding.repeats import ban_repeats, word_classes
 from heads.decoding.sampling import SamplingParams, make_generator, sample
 
 
 class Guide(Protocol):
-    """Rewrites a batch's next-token logits, given each row's pooled hidden state and its answer so far.
+    """Rewrites a batch's next-token logits, given each row's pooled hidden state.
 
-    The result may live in a buffer the guide reuses: it is valid until the guide's next call."""
+    The result may live in a buffer the guide reuses: it is valid until the guide's next call. A guide may
+    also have `repeat_guards()`: per row, after a call, the n of a word n-gram repeat guard (0: none), which the
+    loop applies (`heads.decoding.repeats`)."""
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, history: list[list[int]]) -> torch.Tensor: ...
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -164,9 +167,9 @@ class Batch:
     def _guided(self, logits: torch.Tensor) -> torch.Tensor:
         """The guide's logits; if it raises, each row's own head and settings are tried alone, the rows that
         fail are failed, and the guide goes on without them."""
-        pooled, history = self.pooled(), [r.token_ids for r in self.rows]
+        pooled = self.pooled()
         try:
-            return self.guide(logits, pooled, history)
+            return self._guard_repeats(self.guide(logits, pooled))
         except Exception:
             rows = getattr(self.guide, "rows", None)
             if not rows or getattr(self.guide, "same", None) is not None:
@@ -177,12 +180,23 @@ class Batch:
         for i, row in enumerate(rows):
             if row is not None:
                 try:
-                    HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1], history[i:i + 1])
+                    HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1])
                 except Exception as e:
                     self.fail(i, e)
                     rows[i] = None
         self.guide = HeadGuide(rows, fused)
-        return self.guide(logits, pooled, history)
+        return self._guard_repeats(self.guide(logits, pooled))
+
+    def _guard_repeats(self, scores: torch.Tensor) -> torch.Tensor:
+        """Where the guide asks for it, no word that repeats a word n-gram of the row's answer (in place)."""
+        guards = getattr(self.guide, "repeat_guards", None)
+        ns = guards() if guards is not None else []
+        if any(ns):
+            classes = word_classes(self.tokenizer)
+            for i, n in enumerate(ns):
+                if n and self.rows[i].finish_reason is None:
+                    ban_repeats(scores[i], self.rows[i].token_ids, n, classes)
+        return scores
 
     def fail(self, index: int, error: Exception) -> None:
         """Finish one row with an error; the batch goes on with the others."""

@@ -106,7 +106,7 @@ class _PassThrough:
 
     rows, same = [], None
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, history=None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         return logits
 
 

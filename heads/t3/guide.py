@@ -16,7 +16,7 @@ import torch
 
 from heads.t3 import fused as fused_kernel
 from heads.t3.head import T3Head
-from heads.t3.tilt import candidates_of, repeat_bans, tilt, tilt_candidates
+from heads.t3.tilt import candidates_of, tilt, tilt_candidates
 
 
 MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares
@@ -120,10 +120,8 @@ class HeadGuide:
         return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device, self.fused)
                 for head, idx in by_head.values()]
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor,
-                 history: list[list[int]] | None = None) -> torch.Tensor:
-        """(B, V) logits and (B, d) pooled states -> (B, V) scores to sample from. `history`: each row's answer
-        so far (token ids), for the repeat guard; None: no guard."""
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits and (B, d) pooled states -> (B, V) scores to sample from."""
         if self._groups is None or self._size != logits.size(0):
             self._groups, self._size = self._build(logits.size(0), logits.device), logits.size(0)
         if not self._groups:
@@ -131,32 +129,22 @@ class HeadGuide:
         out = None
         for group in self._groups:
             if group.rows is None:
-                out = group(logits, pooled)
-                break
+                return group(logits, pooled)
             if out is None:
                 out = logits.float().clone()
             out[group.rows] = group(logits[group.rows], pooled[group.rows])
-        if history is not None:
-            self._guard_repeats(out, history)
         return out
 
-    def _guard_repeats(self, out: torch.Tensor, history: list[list[int]]) -> None:
-        """In place: in rows the gate let in, no token that repeats an n-gram of the row's answer (unless every
-        choice would)."""
-        for group in self._groups:
-            if not group.repeat_guard:
-                continue
-            active = group.last_active()
-            rows = range(out.size(0)) if group.rows is None else group.rows.tolist()
-            for j, i in enumerate(rows):
-                n = group.repeat_guard[j]
-                if n and active[j]:
-                    banned = repeat_bans(history[i], n)
-                    if banned:
-                        row = out[i]
-                        kept = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
-                        if bool(torch.isfinite(kept).any()):
-                            row.copy_(kept)
+    def repeat_guards(self) -> list[int]:
+        """Per row, after a call: the n of the repeat guard the decode loop applies (`heads.decoding.repeats`),
+        0 where it is off or the gate kept the row out."""
+        guards = [0] * (self._size or 0)
+        for group in self._groups or []:
+            if group.repeat_guard:
+                rows = range(len(guards)) if group.rows is None else group.rows.tolist()
+                for i, n, active in zip(rows, group.repeat_guard, group.last_active()):
+                    guards[i] = n if active else 0
+        return guards
 
 
 @dataclass

@@ -22,9 +22,10 @@ Lethe adds three optional refinements, each a plain tensor operation:
 * min_p: a fluency floor among the candidates: in a forget-like context a
   candidate whose base probability is below min_p times the best token's is
   dropped (min-p sampling's rule, applied before the tilt re-ranks).
-* repeat guard (`repeat_bans`): in a forget-like context, no token that would
-  repeat an n-gram of the answer so far (the loops and restated titles a tilted
-  small model falls into once its likeliest tokens are flagged).
+* repeat guard (`heads.decoding.repeats`, applied by the decode loop, which
+  has the tokenizer): in a forget-like context, no word that would repeat a word
+  n-gram of the answer so far (the loops and restated titles a tilted small
+  model falls into once its likeliest tokens are flagged).
 
 Every setting is a tensor with one entry per row (0 turns candidates off).
 """
@@ -132,10 +133,3 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     limit = (best_free - cap).nan_to_num(nan=inf, posinf=inf, neginf=inf)
     return torch.where(flagged, torch.minimum(scores, limit), scores)
 
-
-def repeat_bans(answer: list[int], n: int) -> list[int]:
-    """The tokens that would make the answer so far repeat one of its own n-grams (n < 2: none)."""
-    if n < 2 or len(answer) < n - 1:
-        return []
-    tail = answer[len(answer) - n + 1:]
-    return [answer[i + n - 1] for i in range(len(answer) - n + 1) if answer[i:i + n - 1] == tail]

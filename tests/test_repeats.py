@@ -1,0 +1,82 @@
+"""The repeat guard (issue 13): forget-like rows never say a word n-gram of their answer twice."""
+
+from __future__ import annotations
+
+import torch
+
+from heads.decoding.decode import generate
+from heads.decoding.repeats import ban_repeats, repeat_bans, word_classes
+from heads.decoding.sampling import SamplingParams
+from heads.evaluation.evaluate import words
+
+
+def test_repeat_bans_name_the_words_that_would_repeat_an_ngram():
+    answer = [5, 6, 7, 5, 6]  # the last two words began "5 6 7": 7 would say that 3-gram again
+    assert repeat_bans(answer, 3) == {7}
+    assert repeat_bans(answer, 2) == {7}  # "6 7" was said: after the final 6, 7 would say it again
+    assert repeat_bans([1, 2, 1, 3, 1], 2) == {2, 3}
+    assert repeat_bans([1, 2], 3) == set() and repeat_bans(answer, 0) == set()
+
+
+def test_word_classes_compare_tokens_as_words(tiny_lm):
+    tok = tiny_lm.tokenizer
+    classes = word_classes(tok)
+    assert word_classes(tok) is classes  # built once per tokenizer
+    texts = tok.batch_decode([[i] for i in range(len(classes))], clean_up_tokenization_spaces=False)
+    by_word: dict[str, int] = {}
+    for i, text in enumerate(texts):
+        if not any(ch.isalnum() or ch == "_" for ch in text):
+            assert classes[i] == -1, text
+        else:
+            assert by_word.setdefault(text.strip().lower(), int(classes[i])) == classes[i], text
+
+
+def test_ban_repeats_keeps_a_row_at_least_one_choice():
+    classes = torch.arange(10)
+    scores = torch.full((10,), float("-inf"))
+    scores[3] = 1.0
+    ban_repeats(scores, [3, 4, 3], 2, classes)  # 4 would repeat "3 4", but 4 is no candidate; 3 is the only one
+    assert scores[3] == 1.0
+    scores[4] = 2.0
+    ban_repeats(scores, [3, 4, 3], 2, classes)
+    assert scores[4] == float("-inf") and scores[3] == 1.0
+
+
+class _Stubborn:
+    """A guide that prefers the same few words at every step, in a fixed order (a model stuck on them)."""
+
+    def __init__(self, preferred: list[int], n: int, rows: int):
+        self.preferred, self.n, self.rows = preferred, n, rows
+
+    def __call__(self, logits, pooled):
+        out = torch.full_like(logits, float("-inf"))
+        for rank, token in enumerate(self.preferred):
+            out[:, token] = 10.0 - rank
+        return out
+
+    def repeat_guards(self):
+        return [self.n] * self.rows
+
+
+def test_the_decode_loop_applies_the_guard_the_guide_asks_for(tiny_lm):
+    tok = tiny_lm.tokenizer
+    classes = word_classes(tok)
+    seen, preferred = set(), []
+    for i in range(len(classes)):  # twelve tokens that are twelve different words (no dead end in 12 steps)
+        if classes[i] >= 0 and int(classes[i]) not in seen and i not in tok.all_special_ids:
+            seen.add(int(classes[i]))
+            preferred.append(i)
+        if len(preferred) == 12:
+            break
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["Who wrote it?", "Where was she born?"]
+    for n in (0, 2, 3):
+        for c in generate(tiny_lm.model, tok, prompts, params, _Stubborn(preferred, n, len(prompts))):
+            ws = [int(classes[t]) for t in c.token_ids]
+            grams = [tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)] if n else []
+            if n == 0:
+                assert len(set(ws)) == 1  # unguarded: the same word twelve times
+            else:
+                assert len(grams) == len(set(grams)), (n, ws)  # no word n-gram twice
+                assert len(c.token_ids) == 12
+    assert words("The the") == ["the", "the"]  # the measure counts as the guard compares
