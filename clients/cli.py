@@ -123,10 +123,18 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")
     p.add_argument("--cap", type=float, help="flagged tokens score at most the best other token minus CAP")
     p.add_argument("--no-cap", action="store_true", help="turn the spike cap off")
+    p.add_argument("--min-p", type=float, help="forget-like contexts: drop candidates below MIN_P x the best's "
+                                               "probability (0: off)")
+    p.add_argument("--repeat-guard", type=int, help="forget-like contexts: no word that repeats a word n-gram of "
+                                                    "the answer, for this n (0: off)")
+    p.add_argument("--abstain", help="reply with this text (e.g. \"I don't know.\") when the head's probe calls the "
+                                     "prompt forget-like")
+    p.add_argument("--abstain-above", type=float, help="the probe's P(forget | prompt) above which --abstain replies")
     p.add_argument("--asu", type=Path, help="ASU adapter weights (from `lethe asu train`), alone or with --head")
 
 
-_PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "candidates", "cap", "no_cap", "asu"]
+_PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "candidates", "cap", "no_cap", "min_p", "repeat_guard",
+                  "abstain", "abstain_above", "asu"]
 
 
 def _profile(args, lm):
@@ -135,12 +143,16 @@ def _profile(args, lm):
     from heads.t3.head import load_head
 
     if args.head is None:
-        if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates, args.cap)):
-            raise ValueError("--preset, --T, --lam, --gate, --candidates and --cap need --head")
+        if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates, args.cap,
+                                       args.min_p, args.repeat_guard, args.abstain, args.abstain_above)):
+            raise ValueError("--preset, --T, --lam, --gate, --candidates, --cap, --min-p, --repeat-guard, --abstain and "
+                             "--abstain-above need --head")
         return None, None
     head, info = load_head(args.head, lm.fingerprint, lm.model.config.vocab_size, lm.model.config.hidden_size)
     base = PRESETS[args.preset] if args.preset else TiltSettings.from_dict(info.profile)
-    settings = base.replace(T=args.T, lam=args.lam, gate=args.gate, candidates=args.candidates, cap=args.cap)
+    settings = base.replace(T=args.T, lam=args.lam, gate=args.gate, candidates=args.candidates, cap=args.cap,
+                            min_p=args.min_p, repeat_guard=args.repeat_guard, abstain=args.abstain,
+                            abstain_above=args.abstain_above)
     return head, (settings.replace() if not args.no_cap else TiltSettings(**{**settings.as_dict(), "cap": None}))
 
 
@@ -687,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None)
     q.add_argument("--candidates", type=int)
     q.add_argument("--cap", type=float)
+    q.add_argument("--min-p", type=float)
+    q.add_argument("--repeat-guard", type=int)
+    q.add_argument("--abstain")
+    q.add_argument("--abstain-above", type=float)
     q.add_argument("--note")
     pr.add_parser("list", help="list profiles")
     for action in ("get", "delete"):

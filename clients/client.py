@@ -147,7 +147,8 @@ class _Calls:
 
     # profiles
     def set_profile(self, name: str, **spec) -> ProfileOut:
-        """Create or replace (a new version): backend, head, weights, preset, T, lam, gate, candidates, cap, note."""
+        """Create or replace (a new version): backend, head, weights, preset, T, lam, gate, candidates, cap, min_p,
+        repeat_guard, abstain, abstain_above, note."""
         return self._call("PUT", f"/v1/profiles/{name}", ProfileOut, json={k: v for k, v in spec.items()
                                                                             if v is not None})
 

@@ -167,7 +167,7 @@ class JobRunner:
         head = settings = None
         if spec.get("head"):
             head, _ = self.heads.get(tenant_id, spec["head"])
-            settings = TiltSettings.from_dict({k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap")})
+            settings = TiltSettings.from_dict({k: spec[k] for k in TiltSettings.names() if k in spec})
         self._update(job_id, phase="evaluating", progress=0.05)
 
         lm = self._private()

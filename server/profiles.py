@@ -216,7 +216,7 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
     _, recommended = cache.get(tenant_id, spec["head"])
     preset = spec.get("preset")
     base = PRESETS[preset] if preset else TiltSettings.from_dict(recommended)
-    given = {k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap") if k in spec}
+    given = {k: spec[k] for k in TiltSettings.names() if k in spec}
     try:
         settings = TiltSettings(**{**base.as_dict(), **given}).replace()
     except ValueError as e:
@@ -244,7 +244,7 @@ def resolve(store: Store, cache: HeadCache, tenant_id: str | None, profile: str 
     head = None
     if spec.get("head"):  # before the adapter: a missing head must not leave an adapter pinned
         head, _ = cache.get(tenant_id, spec["head"])
-    row = (head, TiltSettings.from_dict({k: spec[k] for k in ("T", "lam", "gate", "candidates", "cap")})) \
+    row = (head, TiltSettings.from_dict({k: spec[k] for k in TiltSettings.names() if k in spec})) \
         if head is not None else None
     if spec["backend"] != "asu":
         return Resolved(name, version, row)

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
-from heads.t3.guide import MAX_CANDIDATES, MIN_T
+from heads.t3.guide import MAX_CANDIDATES, MAX_REPEAT_GUARD, MAX_REPLY, MIN_T
 from heads.records import text_problem
 from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
 
@@ -73,6 +73,17 @@ class ProfileSpec(Strict):
     gate: StrictBool | None = None
     candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
+    min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,
+                                description="Forget-like contexts: drop candidates below min_p x the best token's "
+                                            "probability (0: off).")
+    repeat_guard: int | None = Field(None, ge=0, le=MAX_REPEAT_GUARD,
+                                     description="Forget-like contexts: no word that repeats a word n-gram of the "
+                                                 "answer, for this n (0: off; 1 is refused).")
+    abstain: str | None = Field(None, min_length=1, max_length=MAX_REPLY,
+                                description="A reply (e.g. \"I don't know.\") given instead of an answer when the "
+                                            "head's probe calls the prompt alone forget-like.")
+    abstain_above: float | None = Field(None, ge=0.5, lt=1, allow_inf_nan=False,
+                                        description="The probe's P(forget | prompt) above which `abstain` answers.")
     note: str | None = Field(None, max_length=500, description="Free text kept with the version.")
 
     def spec(self) -> dict:

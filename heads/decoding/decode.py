@@ -88,6 +88,7 @@ class Row:
     text: str = ""
     finish_reason: str | None = None
     error: Exception | None = None  # why this row failed (finish_reason "error"); the other rows go on
+    forced: list[int] | None = None  # a reply the guide chose for this row (abstention), decoded token by token
 
 
 class Batch:
@@ -165,27 +166,29 @@ class Batch:
         return emitted
 
     def _guided(self, logits: torch.Tensor) -> torch.Tensor:
-        """The guide's logits; if it raises, each row's own head and settings are tried alone, the rows that
-        fail are failed, and the guide goes on without them."""
+        """The guide's scores, with the repeat guard and forced replies it asks for. If the guide raises, each
+        row's own head and settings are tried alone, the rows that fail are failed, and the guide goes on
+        without them."""
         pooled = self.pooled()
         try:
-            return self._guard_repeats(self.guide(logits, pooled))
+            scores = self.guide(logits, pooled)
         except Exception:
             rows = getattr(self.guide, "rows", None)
             if not rows or getattr(self.guide, "same", None) is not None:
                 raise  # not per-row: nothing to isolate
-        from heads.t3.guide import HeadGuide
+            from heads.t3.guide import HeadGuide
 
-        rows, fused = list(rows), getattr(self.guide, "fused", None)
-        for i, row in enumerate(rows):
-            if row is not None:
-                try:
-                    HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1])
-                except Exception as e:
-                    self.fail(i, e)
-                    rows[i] = None
-        self.guide = HeadGuide(rows, fused)
-        return self._guard_repeats(self.guide(logits, pooled))
+            rows, fused = list(rows), getattr(self.guide, "fused", None)
+            for i, row in enumerate(rows):
+                if row is not None:
+                    try:
+                        HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1])
+                    except Exception as e:
+                        self.fail(i, e)
+                        rows[i] = None
+            self.guide = HeadGuide(rows, fused)
+            scores = self.guide(logits, pooled)
+        return self._force_replies(self._guard_repeats(scores), pooled)
 
     def _guard_repeats(self, scores: torch.Tensor) -> torch.Tensor:
         """Where the guide asks for it, no word that repeats a word n-gram of the row's answer (in place)."""
@@ -196,6 +199,20 @@ class Batch:
             for i, n in enumerate(ns):
                 if n and self.rows[i].finish_reason is None:
                     ban_repeats(scores[i], self.rows[i].token_ids, n, classes)
+        return scores
+
+    def _force_replies(self, scores: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Rows the guide answers with a fixed reply (abstention) decode exactly that text, token by token. The
+        guide decides once per row, from the prompt alone (`abstentions`, at the row's first step)."""
+        fresh = [i for i, r in enumerate(self.rows) if r.forced is None and not r.token_ids and r.finish_reason is None]
+        abstain = getattr(self.guide, "abstentions", None)
+        if fresh and abstain is not None:
+            for i, reply in abstain(pooled, fresh).items():
+                self.rows[i].forced = self.tokenizer.encode(reply, add_special_tokens=False)
+        for i, row in enumerate(self.rows):
+            if row.forced and row.finish_reason is None and len(row.token_ids) < len(row.forced):
+                scores[i] = float("-inf")
+                scores[i, row.forced[len(row.token_ids)]] = 0.0
         return scores
 
     def fail(self, index: int, error: Exception) -> None:
@@ -210,6 +227,9 @@ class Batch:
             return
         row.token_ids.append(token)
         row.text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        if row.forced and len(row.token_ids) >= len(row.forced):  # the whole reply is out: it ends here
+            row.finish_reason = "stop"
+            return
         cut = min((i for i in (row.text.find(s) for s in row.params.stop if s) if i >= 0), default=-1)
         if cut >= 0:
             row.text, row.finish_reason = row.text[:cut], "stop"

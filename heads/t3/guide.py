@@ -22,6 +22,7 @@ from heads.t3.tilt import candidates_of, tilt, tilt_candidates
 MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares
 MAX_CANDIDATES = 100_000
 MAX_REPEAT_GUARD = 16
+MAX_REPLY = 500
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,9 @@ class TiltSettings:
     candidates: int = 20  # tilt among the base model's k most likely tokens; 0 = all tokens
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
-    repeat_guard: int = 0  # forget-like rows: no token that repeats an n-gram of the answer (this n); 0 = off
+    repeat_guard: int = 3  # forget-like rows: no word that repeats a word n-gram of the answer (this n); 0 = off
+    abstain: str | None = None  # a reply (e.g. "I don't know.") for prompts the probe alone calls forget-like
+    abstain_above: float = 0.9  # ... with P(forget | prompt) above this
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +77,11 @@ class TiltSettings:
                 not (out.repeat_guard == 0 or 2 <= out.repeat_guard <= MAX_REPEAT_GUARD):
             raise ValueError(f"repeat_guard: must be 0 (off) or an n-gram size in [2, {MAX_REPEAT_GUARD}], "
                              f"got {out.repeat_guard!r}")
+        if out.abstain is not None and (not isinstance(out.abstain, str) or not 0 < len(out.abstain) <= MAX_REPLY):
+            raise ValueError(f"abstain: must be a reply of 1 to {MAX_REPLY} characters or null, got {out.abstain!r}")
+        if isinstance(out.abstain_above, bool) or not isinstance(out.abstain_above, (int, float)) or \
+                not 0.5 <= out.abstain_above < 1:
+            raise ValueError(f"abstain_above: must be a probability in [0.5, 1), got {out.abstain_above!r}")
         return out
 
     @classmethod
@@ -84,7 +92,7 @@ class TiltSettings:
 
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
-    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, candidates=0, cap=None),
+    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, candidates=0, cap=None, min_p=0.0, repeat_guard=0, abstain=None),
     "default": TiltSettings(),
 }
 
@@ -133,6 +141,19 @@ class HeadGuide:
             if out is None:
                 out = logits.float().clone()
             out[group.rows] = group(logits[group.rows], pooled[group.rows])
+        return out
+
+    def abstentions(self, pooled: torch.Tensor, rows: list[int]) -> dict[int, str]:
+        """Of `rows` (at their first step: pooled over the prompt alone), those whose settings abstain and whose
+        head's probe gives P(forget) above `abstain_above`, with their reply."""
+        out = {}
+        for i in rows:
+            entry = self.same if self.same is not None else self.rows[i]
+            if entry is None or entry[1].abstain is None or entry[0].probe is None:
+                continue
+            head, settings = entry
+            if float(head.forget_probability(pooled[i:i + 1].to(head.probe.weight.device))[0]) > settings.abstain_above:
+                out[i] = settings.abstain
         return out
 
     def repeat_guards(self) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from heads.t3.guide import TiltSettings
+from heads.t3.guide import PRESETS
 from heads.t3.head import HeadFileError, HeadInfo, T3Head
 
 PROJ = re.compile(r"(?:^|\.)guidance_head\.proj\.(\d+)\.weight$")
@@ -64,8 +64,7 @@ def import_reference(folder: str | Path, base_fingerprint: str, d: int, vocab: i
                             f"a base model with hidden size {d} and vocabulary {vocab}")
     head = T3Head(d, vocab, rank, bias=False, probe=False)
     head.load_state_dict({"down.weight": down, "up.weight": up})
-    settings = TiltSettings(T=float(config["base_temp"]), lam=float(config["guidance_scale"]), gate=False,
-                            candidates=0, cap=None)
+    settings = PRESETS["paper"].replace(T=float(config["base_temp"]), lam=float(config["guidance_scale"]))
     info = HeadInfo(base_fingerprint=base_fingerprint, d=d, vocab=vocab, rank=rank, profile=settings.as_dict(),
                     training={"imported_from": str(folder)})
     return head.eval().requires_grad_(False), info
