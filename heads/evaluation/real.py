@@ -98,9 +98,9 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     train_seconds = time.perf_counter() - fit_started
     log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
-    guides = {"head": HeadGuide.uniform(head, settings)} | {
-        name: HeadGuide.uniform(head, TiltSettings.from_dict({**info.profile, **over}))
-        for name, over in cfg.variants.items()}
+    chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
+                                   for name, over in cfg.variants.items()}
+    guides = {name: HeadGuide.uniform(head, s) for name, s in chosen.items()}
 
     # 3. the canonical and the held-out question of every known item
     def eval_set(kinds) -> list[dict]:
@@ -121,6 +121,9 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
             for name, recs in sets.items():
                 tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size)
                 _score(row, name, recs, base[name], tilted, vocab)
+                if chosen[variant].abstain is not None:  # how often it abstained (on retain: false refusals)
+                    reply = chosen[variant].abstain.strip()
+                    row[f"{name}_abstained"] = round(statistics.fmean(t == reply for t in tilted), 4)
                 if label == "greedy":
                     examples.setdefault(variant, {})[name] = [
                         {"question": r["question"], "base": b, "head": t}
