@@ -411,7 +411,8 @@ def cmd_bench_real(args) -> int:
     lm = load_model(args.model, args.device, args.dtype)
     cfg = RealBenchConfig(forget=args.forget, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
                           top_p=args.top_p, seeds=tuple(args.seeds), limit=args.limit,
-                          fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant))
+                          fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant),
+                          asu_tau=args.asu_tau, asu_steps=args.asu_steps)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     table = markdown(report)
     print(table)
@@ -786,6 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='tilt settings over the head\'s recommendation, as JSON, e.g. \'{"repeat_guard": 0}\'')
     p.add_argument("--variant", type=_named_json, action="append", default=[], metavar="NAME=JSON",
                    help="further settings to compare on the same head and base answers (repeatable)")
+    p.add_argument("--asu-tau", type=float, help="also train ASU at this tau on the same sets and report it alone "
+                                                 "and with the head (variants asu, asu+head)")
+    p.add_argument("--asu-steps", type=int, default=300, help="ASU training steps (default 300)")
     p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_real)
 

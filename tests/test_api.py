@@ -133,6 +133,30 @@ def test_profile_versions_history_and_rollback(live, tenant_a):
     assert {m["id"] for m in a.get("/v1/models").json()["data"]} >= {"base", "forget-1", "swap-test"}
 
 
+def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
+    a, head = tenant_a["client"], tenant_a["head"]
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["repeat_guard"] == 3  # the default
+    assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["repeat_guard"] == 0
+    for bad, field in (({"repeat_guard": 1}, "repeat_guard"), ({"repeat_guard": 17}, "repeat_guard"),
+                       ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above")):
+        r = a.put("/v1/profiles/fluent-bad", json={"head": head, **bad})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == field, (bad, r.json())
+    assert a.get("/v1/profiles/fluent-bad").status_code == 404
+    reply = "I do not know."
+    spec = a.put("/v1/profiles/abstains", json={"head": head, "abstain": reply, "abstain_above": 0.5}).json()["spec"]
+    assert spec["abstain"] == reply and spec["abstain_above"] == 0.5
+
+    def answers(records, profile):
+        return [a.post("/generate", json={"prompt": question_prompt(r["question"]), "profile": profile,
+                                          "temperature": 0, "max_new_tokens": 24}).json()["text"] for r in records]
+
+    forget, retain = answers(tenant_a["forget"][:6], "abstains"), answers(tenant_a["retain"][:6], "abstains")
+    assert forget.count(reply) >= 3, forget  # the probe, from the prompt alone, calls most forget questions forget-like
+    assert retain.count(reply) <= 1, retain  # and few retain questions (false refusals)
+    assert [t for t in retain if t != reply] == [t for t, r in zip(answers(tenant_a["retain"][:6], "base"), retain)
+                                                 if r != reply]  # the rest: the base model's answers
+
+
 def test_hot_swap_under_load_no_failures_and_each_answer_matches_its_version(live, tenant_a):
     a, head = tenant_a["client"], tenant_a["head"]
     specs = [{"head": head}, {"backend": "base"}]

@@ -41,14 +41,19 @@ def test_every_kind_holds_out_its_last_question():
 def test_bench_real_quick_run_forgets_the_topic_and_scores_fluency(real_lm):
     from heads.evaluation.real import RealBenchConfig, markdown, run
 
-    report = run(real_lm, RealBenchConfig(limit=6, seeds=(0,), temperatures=(1.0,), max_new_tokens=16),
-                 log=lambda *_: None)
+    report = run(real_lm, RealBenchConfig(limit=6, seeds=(0,), temperatures=(1.0,), max_new_tokens=16,
+                                          variants={"abstain": {"abstain": "I don't know."}}), log=lambda *_: None)
     assert report["format"] == "chat" and report["known"]["capital"] >= 3
     greedy = report["rows"][0]
     assert greedy["decoding"] == "greedy" and greedy["forget_hits_base"] == 1.0  # only known items are kept
     assert greedy["forget_hits_head"] <= 0.5 and greedy["retain_identical"] >= 0.7
     assert set(greedy["forget_fluency_head"]) == {"nonword", "repeated_3gram", "loops"}
-    assert markdown(report).count("\n| ") == 3  # header rule, greedy, one sampled setting
+    assert greedy["variant"] == "head" and report["settings"]["repeat_guard"] == 3
+    sampled = next(r for r in report["rows"] if r["decoding"].startswith("T=1.0") and r["variant"] == "head")
+    assert sampled["retain_identical"] >= 0.9  # the gate leaves retain contexts untouched, sampled ones too
+    abstain = [r for r in report["rows"] if r["variant"] == "abstain"]
+    assert len(abstain) == 2 and all(r["forget_abstained"] >= 0.5 and r["retain_abstained"] <= 0.1 for r in abstain)
+    assert markdown(report).count("\n| ") == 5  # header rule; greedy and one sampled setting for each variant
 
 
 def test_bench_heads_serves_every_tenant_its_own_head(tiny_model_dir, tmp_path):

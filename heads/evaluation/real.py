@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 from heads.decoding.decode import generate_chunked
@@ -44,6 +45,10 @@ class RealBenchConfig:
     # further named settings to compare on the same head and the same base answers ({} in a variant: the head's
     # recommendation); the report's rows name their variant, the first being "head" (`settings` above)
     variants: dict[str, dict] = field(default_factory=dict)
+    # ASU beside T3: trained on the same sets at this tau (None: not run), evaluated alone ("asu") and with the
+    # head under `settings` ("asu+head"); the base answers are the model's without the adapter
+    asu_tau: float | None = None
+    asu_steps: int = 300
 
 
 def fluency(answers: list[str], vocab) -> dict:
@@ -52,8 +57,12 @@ def fluency(answers: list[str], vocab) -> dict:
             "loops": round(sum(map(has_loop, answers)) / len(answers), 4) if answers else 0.0}
 
 
-def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size: int) -> list[str]:
-    return [c.text.strip() for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, batch_size, guide)]
+def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size: int, asu=None,
+              adapter: bool = False) -> list[str]:
+    """Answers, stripped. `asu`: the model with an ASU adapter attached, used with it on (`adapter`) or off."""
+    model, off = (lm.model, nullcontext()) if asu is None else (asu, nullcontext() if adapter else asu.disable_adapter())
+    with off:
+        return [c.text.strip() for c in generate_chunked(model, lm.tokenizer, prompts, params, batch_size, guide)]
 
 
 def _score(row: dict, name: str, recs: list[dict], base: list[str], tilted: list[str], vocab) -> None:
@@ -98,9 +107,23 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     train_seconds = time.perf_counter() - fit_started
     log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
+    asu, asu_metrics = None, None
+    if cfg.asu_tau is not None:
+        from heads.asu.distill import ASUConfig, train_asu
+        from heads.asu.weights import attach
+
+        tensors, asu_info = train_asu(lm, forget_train, retain_train, ASUConfig(tau=cfg.asu_tau, steps=cfg.asu_steps,
+                                                                              format=cfg.fit.format), progress=False)
+        asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
+        log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
+        asu = attach(lm.model, "bench_asu", tensors, asu_info)
+        asu.set_adapter("bench_asu")
     chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
                                    for name, over in cfg.variants.items()}
-    guides = {name: HeadGuide.uniform(head, s) for name, s in chosen.items()}
+    guides = {name: (HeadGuide.uniform(head, s), False) for name, s in chosen.items()}
+    if asu is not None:
+        chosen |= {"asu": settings, "asu+head": settings}
+        guides |= {"asu": (None, True), "asu+head": (guides["head"][0], True)}
 
     # 3. the canonical and the held-out question of every known item
     def eval_set(kinds) -> list[dict]:
@@ -113,34 +136,44 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
                                                             top_p=cfg.top_p, seed=s))
         for t in cfg.temperatures for s in cfg.seeds]
     rows, examples = [], {}
-    for label, params in runs:
-        prompts = {name: [ask(r["question"], fmt, lm.tokenizer) for r in recs] for name, recs in sets.items()}
-        base = {name: _generate(lm, prompts[name], params, None, cfg.batch_size) for name in sets}
-        for variant, guide in guides.items():
-            row = {"decoding": label} | ({"variant": variant} if cfg.variants else {})
-            for name, recs in sets.items():
-                tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size)
-                _score(row, name, recs, base[name], tilted, vocab)
-                if chosen[variant].abstain is not None:  # how often it abstained (on retain: false refusals)
-                    reply = chosen[variant].abstain.strip()
-                    row[f"{name}_abstained"] = round(statistics.fmean(t == reply for t in tilted), 4)
-                if label == "greedy":
-                    examples.setdefault(variant, {})[name] = [
-                        {"question": r["question"], "base": b, "head": t}
-                        for r, b, t in list(zip(recs, base[name], tilted))[:6 if variant == "head" else 20]]
-            rows.append(row)
-            log(f"{label} {variant}: forget hits {row['forget_hits_base']:.2f} -> {row['forget_hits_head']:.2f} "
-                f"(held-out {row['forget_hits_head_held_out']:.2f}), retain identical {row['retain_identical']:.2f}, "
-                f"forget loops {row['forget_fluency_head']['loops']:.2f}, repeated 3-grams "
-                f"{row['forget_fluency_base']['repeated_3gram']:.3f} -> {row['forget_fluency_head']['repeated_3gram']:.3f}"
-                f", non-words {row['forget_fluency_base']['nonword']:.3f} -> {row['forget_fluency_head']['nonword']:.3f}")
-    if not cfg.variants:
+    try:
+        for label, params in runs:
+            _decode_and_score(lm, label, params, sets, guides, chosen, asu, cfg, fmt, vocab, rows, examples, log)
+    finally:
+        if asu is not None:
+            asu.unload()  # the base model as it was
+    if len(guides) == 1:
         examples = examples["head"]
     return {"model": str(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
             "known": {k: len(v) for k, v in known.items()}, "train_records": [len(forget_train), len(retain_train)],
             "train_seconds": round(train_seconds, 2), "head_metrics": info.metrics, "settings": settings.as_dict(),
+            "asu": asu_metrics,
             "never_knew_fluency": fluency(unknown_answers, vocab), "never_knew_answers": len(unknown_answers),
             "rows": rows, "examples": examples, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _decode_and_score(lm, label, params, sets, guides, chosen, asu, cfg, fmt, vocab, rows, examples, log) -> None:
+    """One decoding (greedy, or sampled with one seed): base answers once, then each variant's; a row each."""
+    prompts = {name: [ask(r["question"], fmt, lm.tokenizer) for r in recs] for name, recs in sets.items()}
+    base = {name: _generate(lm, prompts[name], params, None, cfg.batch_size, asu) for name in sets}
+    for variant, (guide, adapter) in guides.items():
+        row = {"decoding": label} | ({"variant": variant} if len(guides) > 1 else {})
+        for name, recs in sets.items():
+            tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size, asu, adapter)
+            _score(row, name, recs, base[name], tilted, vocab)
+            if chosen[variant].abstain is not None:  # how often it abstained (on retain: false refusals)
+                reply = chosen[variant].abstain.strip()
+                row[f"{name}_abstained"] = round(statistics.fmean(t == reply for t in tilted), 4)
+            if label == "greedy":
+                examples.setdefault(variant, {})[name] = [
+                    {"question": r["question"], "base": b, "head": t}
+                    for r, b, t in list(zip(recs, base[name], tilted))[:6 if variant == "head" else 20]]
+        rows.append(row)
+        log(f"{label} {variant}: forget hits {row['forget_hits_base']:.2f} -> {row['forget_hits_head']:.2f} "
+            f"(held-out {row['forget_hits_head_held_out']:.2f}), retain identical {row['retain_identical']:.2f}, "
+            f"forget loops {row['forget_fluency_head']['loops']:.2f}, repeated 3-grams "
+            f"{row['forget_fluency_base']['repeated_3gram']:.3f} -> {row['forget_fluency_head']['repeated_3gram']:.3f}"
+            f", non-words {row['forget_fluency_base']['nonword']:.3f} -> {row['forget_fluency_head']['nonword']:.3f}")
 
 
 def markdown(report: dict) -> str:
@@ -149,14 +182,15 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         groups.setdefault((row.get("variant", ""), row["decoding"].split(" seed=")[0]), []).append(row)
     variants = any("variant" in row for row in report["rows"])
+    abstains = any("forget_abstained" in row for row in report["rows"])
 
     def mean(rows, key, sub=None):
         return statistics.fmean(r[key][sub] if sub else r[key] for r in rows)
 
     lines = [("| variant " if variants else "") + "| decoding | forget hits base -> head (held-out question) "
              "| retain hits base -> head | retain identical | forget loops base / head | repeated 3-grams base / head "
-             "| non-words base / head |",
-             ("| --- " if variants else "") + "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| non-words base / head |" + (" abstained forget / retain |" if abstains else ""),
+             ("| --- " if variants else "") + "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if abstains else "")]
     for (variant, label), rows in groups.items():
         lines.append(
             (f"| {variant} " if variants else "") +
@@ -168,7 +202,9 @@ def markdown(report: dict) -> str:
             f"| {mean(rows, 'forget_fluency_base', 'loops'):.2f} / {mean(rows, 'forget_fluency_head', 'loops'):.2f} "
             f"| {mean(rows, 'forget_fluency_base', 'repeated_3gram'):.3f} / "
             f"{mean(rows, 'forget_fluency_head', 'repeated_3gram'):.3f} "
-            f"| {mean(rows, 'forget_fluency_base', 'nonword'):.3f} / {mean(rows, 'forget_fluency_head', 'nonword'):.3f} |")
+            f"| {mean(rows, 'forget_fluency_base', 'nonword'):.3f} / {mean(rows, 'forget_fluency_head', 'nonword'):.3f} |"
+            + ((f" {mean(rows, 'forget_abstained'):.2f} / {mean(rows, 'retain_abstained'):.2f} |"
+                if "forget_abstained" in rows[0] else " - |") if abstains else ""))
     nk = report["never_knew_fluency"]
     lines.append(f"\nFluency of a model that never knew (the base model's greedy answers to the "
                  f"{report['never_knew_answers']} {report['config']['forget']} questions it gets wrong): loops "
