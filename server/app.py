@@ -15,6 +15,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from heads.modelio import LoadedModel, load_model
@@ -69,8 +70,10 @@ def _json_safe(value):
 UPLOAD_PATHS = ("/v1/datasets", "/v1/heads/upload", "/v1/asu/upload")
 
 
-def _plain_error(status: int, message: str, headers: list | None = None):
-    body = json.dumps({"detail": message}).encode()
+def _plain_error(status: int, message: str, path: str = "", headers: list | None = None):
+    """A JSON error sent before any route runs: `{"detail": ...}`, or OpenAI's shape on its routes."""
+    body = json.dumps(openai_api.error_body(status, message)[1] if openai_api.is_openai_path(path)
+                      else {"detail": message}).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          (b"connection", b"close")] + (headers or [])}
@@ -105,7 +108,7 @@ class BoundedBody:
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
             for message in _plain_error(413, f"request body of {int(length)} bytes exceeds the limit of {limit} "
-                                             f"bytes (LETHE_MAX_REQUEST_BYTES)"):
+                                             f"bytes (LETHE_MAX_REQUEST_BYTES)", scope["path"]):
                 await send(message)
             return
         body, more = bytearray(), True
@@ -113,7 +116,8 @@ class BoundedBody:
             try:
                 message = await asyncio.wait_for(receive(), timeout)
             except asyncio.TimeoutError:
-                for message in _plain_error(408, f"the request body stalled for more than {timeout:g} s"):
+                for message in _plain_error(408, f"the request body stalled for more than {timeout:g} s",
+                                            scope["path"]):
                     await send(message)
                 return
             if message["type"] == "http.disconnect":
@@ -122,7 +126,7 @@ class BoundedBody:
             more = message.get("more_body", False)
             if len(body) > limit:
                 for message in _plain_error(413, f"request body exceeds the limit of {limit} bytes "
-                                                 f"(LETHE_MAX_REQUEST_BYTES)"):
+                                                 f"(LETHE_MAX_REQUEST_BYTES)", scope["path"]):
                     await send(message)
                 return
         replayed = False
@@ -217,20 +221,30 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         record(response.status_code)
         return response
 
+    def _error(request: Request, status: int, detail, headers=None) -> JSONResponse:
+        """`{"detail": ...}` on the native API; OpenAI's error shape (and 400 for a bad field) on its routes."""
+        if openai_api.is_openai_path(request.url.path):
+            status, body = openai_api.error_body(status, detail)
+            return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         """FastAPI's 422, with inputs made JSON-safe (a NaN or Infinity in the body must not become a 500)."""
-        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors(), custom_encoder={
-            Exception: str}))}, status_code=422)
+        return _error(request, 422, _json_safe(jsonable_encoder(exc.errors(), custom_encoder={Exception: str})))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error(request, exc.status_code, exc.detail, getattr(exc, "headers", None))
 
     @app.exception_handler(QuotaExceeded)
     async def _quota(request: Request, exc: QuotaExceeded):
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
-        return JSONResponse({"detail": exc.message}, status_code=429, headers=headers)
+        return _error(request, 429, exc.message, headers)
 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):
-        return JSONResponse({"detail": f"server busy: {exc}"}, status_code=429, headers={"Retry-After": "1"})
+        return _error(request, 429, f"server busy: {exc}", {"Retry-After": "1"})
 
     @app.get("/healthz", response_model=Health, tags=["operations"])
     async def healthz() -> Health:
@@ -245,7 +259,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect):
-        return JSONResponse({"detail": "the request body ended early or stalled"}, status_code=408)
+        return _error(request, 408, "the request body ended early or stalled")
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:

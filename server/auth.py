@@ -6,6 +6,8 @@ import hmac
 
 from fastapi import HTTPException, Request
 
+from server.storage import KEY_PREFIX
+
 
 def bearer(request: Request) -> str | None:
     """The key the caller sent (`Authorization: Bearer <key>` or `X-API-Key`), None if none. An Authorization
@@ -25,7 +27,10 @@ def bearer(request: Request) -> str | None:
 
 def _caller(request: Request, anonymous_ok: bool) -> str | None:
     key = bearer(request)
-    if key is None:
+    if key is None or (anonymous_ok and not key.startswith(KEY_PREFIX)):
+        # no key, or a placeholder that is no Lethe key (`OpenAI(api_key="EMPTY")`, as with local servers): anonymous
+        # where that is allowed. A Lethe key that is unknown (mistyped, revoked) stays 401, so a tenant never gets
+        # the base model's answers while believing its profile answered.
         if anonymous_ok:
             return None
         raise HTTPException(401, "an API key is required (Authorization: Bearer <key>)")

@@ -183,10 +183,12 @@ class Engine:
     def _run(self) -> None:
         """Continuous batching: new requests are prefilled and join the running batch between steps;
         finished rows leave it at once."""
+        from heads.decoding.repeats import word_classes
         from heads.t3 import fused
 
         if fused.enabled() and self.lm.device.type == "cpu":
             fused.warm_up()  # the T3 head's CPU kernel: compiled before the first request that needs it
+        word_classes(self.tokenizer)  # the repeat guard's table (about a second for 50k tokens), before any request
         batch, active = None, []
         while True:
             new = self._take(block=batch is None, room=self.max_batch_size - len(active))

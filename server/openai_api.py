@@ -2,7 +2,11 @@
 
 The profile is chosen by `model` (a profile name, or `base`) or by an `unlearning_profile` field.
 Fields of the OpenAI API that Lethe does not use are accepted and ignored, as OpenAI clients send
-many of them; `n` > 1 and `logprobs` are refused with a 422 naming them.
+many of them; `n` > 1 and `logprobs` are refused with a 400 naming them.
+
+Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message", "type", "param",
+"code"}}`, and a request the schema refuses is 400 (the native API keeps FastAPI's 422 and
+`{"detail": ...}`), so the openai SDK raises `BadRequestError` with `e.param` naming the field.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import ConfigDict, Field, StrictBool
 
 from heads.decoding.decode import Completion
@@ -21,6 +25,31 @@ from server.generation import admit, complete, field_error, stream
 from server.protocol import MAX_PROMPT_CHARS, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 408: "timeout_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
+
+
+def is_openai_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+def error_body(status: int, detail) -> tuple[int, dict]:
+    """(status, body) in OpenAI's error shape for a FastAPI `detail` (a message, or validation errors: the first
+    one names the field, and the status becomes 400)."""
+    param = None
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        first = detail[0]
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
+        status = 400 if status == 422 else status
+    else:
+        message = str(detail)
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class OpenAIRequest(ValidText):
@@ -139,8 +168,20 @@ async def chat_completions(body: ChatRequest, request: Request, tenant_id: str |
                                         "finish_reason": c.finish_reason}, _usage(c))
 
 
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "lethe"}
+
+
 @router.get("/v1/models")
 def models(request: Request, tenant_id: str | None = Depends(optional_tenant)):
     """`base` and the tenant's profiles, as OpenAI models."""
     names = ["base"] + (request.app.state.store.profile_names(tenant_id) if tenant_id else [])
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "lethe"} for n in names]}
+    return {"object": "list", "data": [_model(n) for n in names]}
+
+
+@router.get("/v1/models/{model_id}")
+def model(model_id: str, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+    """One model: `base`, or one of the tenant's profiles (404 otherwise)."""
+    if model_id == "base" or (tenant_id and model_id in request.app.state.store.profile_names(tenant_id)):
+        return _model(model_id)
+    raise HTTPException(404, f"model {model_id!r} not found")

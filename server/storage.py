@@ -38,6 +38,8 @@ CREATE TABLE IF NOT EXISTS profiles (tenant_id TEXT NOT NULL, name TEXT NOT NULL
     PRIMARY KEY (tenant_id, name));
 """
 
+KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
+
 
 TABLES = ("datasets", "heads", "jobs", "asu_weights")
 
@@ -87,14 +89,14 @@ class Store:
     # tenants and keys
     def create_tenant(self, name: str) -> tuple[str, str]:
         """A new tenant and its first API key: (tenant id, key). The key is stored hashed only."""
-        tenant_id, key = new_id("ten"), "lk_" + secrets.token_urlsafe(24)
+        tenant_id, key = new_id("ten"), KEY_PREFIX + secrets.token_urlsafe(24)
         now = time.time()
         self.tx([("INSERT INTO tenants VALUES (?, ?, ?)", (tenant_id, name, now)),
                  ("INSERT INTO api_keys VALUES (?, ?, ?)", (hash_key(key), tenant_id, now))])
         return tenant_id, key
 
     def add_key(self, tenant_id: str) -> str:
-        key = "lk_" + secrets.token_urlsafe(24)
+        key = KEY_PREFIX + secrets.token_urlsafe(24)
         self.tx([("INSERT INTO api_keys VALUES (?, ?, ?)", (hash_key(key), tenant_id, time.time()))])
         return key
 

@@ -240,6 +240,45 @@ def test_openai_client_completions_and_chat_streaming_and_not(live, tenant_a, ti
     assert {m.id for m in client.models.list()} >= {"base", "forget-1"}
 
 
+def test_a_placeholder_key_is_anonymous_and_a_wrong_lethe_key_is_refused(live, tenant_a):
+    import openai
+    from openai import OpenAI
+
+    rec = tenant_a["retain"][0]
+    empty = OpenAI(base_url=live + "/v1", api_key="EMPTY")  # the usual habit with local servers
+    chat = empty.chat.completions.create(model="base", messages=[{"role": "user", "content": rec["question"]}],
+                                         max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == rec["answer"]
+    with pytest.raises(openai.AuthenticationError):  # a profile needs a real key: never the base model instead
+        empty.chat.completions.create(model="forget-1", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    mistyped = OpenAI(base_url=live + "/v1", api_key="lk_mistyped")
+    with pytest.raises(openai.AuthenticationError):  # a Lethe key that is wrong is 401, even for the base model
+        mistyped.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert httpx.get(live + "/v1/datasets", headers={"Authorization": "Bearer EMPTY"}).status_code == 401
+
+
+def test_openai_errors_have_openai_shape(live, tenant_a):
+    import openai
+    from openai import OpenAI
+
+    key = tenant_a["client"].headers["Authorization"].split()[1]
+    client = OpenAI(base_url=live + "/v1", api_key=key)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=10**9)
+    assert e.value.param == "max_tokens" and e.value.type == "invalid_request_error" and "max_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="base", prompt="hi", n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-profile", prompt="hi", max_tokens=2)
+    assert "no-such-profile" in str(e.value) and e.value.type == "not_found_error"
+    assert client.models.retrieve("forget-1").id == "forget-1" and client.models.retrieve("base").id == "base"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    native = httpx.post(live + "/generate", json={"prompt": "hi", "max_new_tokens": 10**9})
+    assert native.status_code == 422 and native.json()["detail"][0]["loc"][-1] == "max_new_tokens"  # its own shape
+
+
 def test_full_queue_answers_429_with_retry_after(tiny_lm, tmp_path):
     with running_server(tiny_lm, tmp_path, max_queue=1, max_batch_size=1) as url:
         body = {"prompt": "Question: hello\nAnswer:", "temperature": 5.0, "max_new_tokens": 120, "seed": 1}

@@ -22,17 +22,21 @@ def test_word_classes_compare_tokens_as_words(tiny_lm):
     tok = tiny_lm.tokenizer
     classes = word_classes(tok)
     assert word_classes(tok) is classes  # built once per tokenizer
-    texts = tok.batch_decode([[i] for i in range(len(classes))], clean_up_tokenization_spaces=False)
+    texts = tok.batch_decode([[i] for i in range(len(classes.of_token))], clean_up_tokenization_spaces=False)
     by_word: dict[str, int] = {}
     for i, text in enumerate(texts):
+        word = classes.of_token[i]
         if not any(ch.isalnum() or ch == "_" for ch in text):
-            assert classes[i] == -1, text
+            assert word == -1, text
         else:
-            assert by_word.setdefault(text.strip().lower(), int(classes[i])) == classes[i], text
+            assert by_word.setdefault(text.strip().lower(), word) == word, text
+            assert i in classes.tokens_of[word]
 
 
 def test_ban_repeats_keeps_a_row_at_least_one_choice():
-    classes = torch.arange(10)
+    from heads.decoding.repeats import WordClasses
+
+    classes = WordClasses(list(range(10)), [[i] for i in range(10)])
     scores = torch.full((10,), float("-inf"))
     scores[3] = 1.0
     ban_repeats(scores, [3, 4, 3], 2, classes)  # 4 would repeat "3 4", but 4 is no candidate; 3 is the only one
@@ -62,9 +66,9 @@ def test_the_decode_loop_applies_the_guard_the_guide_asks_for(tiny_lm):
     tok = tiny_lm.tokenizer
     classes = word_classes(tok)
     seen, preferred = set(), []
-    for i in range(len(classes)):  # twelve tokens that are twelve different words (no dead end in 12 steps)
-        if classes[i] >= 0 and int(classes[i]) not in seen and i not in tok.all_special_ids:
-            seen.add(int(classes[i]))
+    for i, word in enumerate(classes.of_token):  # twelve tokens, twelve different words (no dead end in 12 steps)
+        if word >= 0 and word not in seen and i not in tok.all_special_ids:
+            seen.add(word)
             preferred.append(i)
         if len(preferred) == 12:
             break
@@ -72,7 +76,7 @@ def test_the_decode_loop_applies_the_guard_the_guide_asks_for(tiny_lm):
     prompts = ["Who wrote it?", "Where was she born?"]
     for n in (0, 2, 3):
         for c in generate(tiny_lm.model, tok, prompts, params, _Stubborn(preferred, n, len(prompts))):
-            ws = [int(classes[t]) for t in c.token_ids]
+            ws = classes.words(c.token_ids)
             grams = [tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)] if n else []
             if n == 0:
                 assert len(set(ws)) == 1  # unguarded: the same word twelve times

@@ -3,27 +3,44 @@
 A tilted model whose likeliest tokens are flagged can fall into restating itself
 ("The Capital of the French Empire is indeed the Capital of the French Empire").
 Where a profile turns the guard on and the gate calls the context forget-like,
-the decode loop drops the candidates that would say a word n-gram of the answer
-a second time, as a reader counts it: tokens are compared as words, without case
-or the leading space ("The" and " the" are one word), and tokens without a letter
-or digit (punctuation, spaces) are skipped, as a word count skips them. A row
-keeps at least one choice: if every candidate would repeat, nothing is banned.
+the decode loop drops the tokens that would say a word n-gram of the answer a
+second time, as a reader counts it: tokens are compared as words, without case or
+the leading space ("The" and " the" are one word), and tokens without a letter or
+digit (punctuation, spaces) are skipped, as a word count skips them. A row keeps
+at least one choice: if every candidate would repeat, nothing is banned.
+
+It runs at every step of a guarded row, so the common case (nothing to ban) is a
+few list operations: no tensor is touched unless a banned word is a candidate.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 _WORDLIKE = re.compile(r"\w")
-_cache: "weakref.WeakKeyDictionary[object, torch.Tensor]" = weakref.WeakKeyDictionary()
+_cache: "weakref.WeakKeyDictionary[object, WordClasses]" = weakref.WeakKeyDictionary()
 
 
-def word_classes(tokenizer) -> torch.Tensor:
-    """(V,) long: per token id, the id of the word it spells (lower-cased, stripped), or -1 for a token with no
-    letter or digit. Built once per tokenizer (about a second for a 50k vocabulary)."""
+@dataclass(frozen=True)
+class WordClasses:
+    """Per token id, the id of the word it spells (-1: no letter or digit), and per word its token ids."""
+
+    of_token: list[int]
+    tokens_of: list[list[int]]
+
+    def words(self, token_ids: list[int]) -> list[int]:
+        """The answer's words, in order (tokens past the tokenizer and word-less tokens skipped)."""
+        of, n = self.of_token, len(self.of_token)
+        return [w for w in (of[t] if t < n else -1 for t in token_ids) if w >= 0]
+
+
+def word_classes(tokenizer) -> WordClasses:
+    """The tokenizer's word classes: each token lower-cased and stripped. Built once per tokenizer (about a second
+    for a 50k vocabulary)."""
     cached = _cache.get(tokenizer)
     if cached is not None:
         return cached
@@ -31,8 +48,12 @@ def word_classes(tokenizer) -> torch.Tensor:
     texts = tokenizer.batch_decode([[i] for i in range(size)], skip_special_tokens=False,
                                    clean_up_tokenization_spaces=False)
     ids: dict[str, int] = {}
-    classes = torch.tensor([ids.setdefault(t.strip().lower(), len(ids)) if _WORDLIKE.search(t) else -1
-                            for t in texts], dtype=torch.long)
+    of_token = [ids.setdefault(t.strip().lower(), len(ids)) if _WORDLIKE.search(t) else -1 for t in texts]
+    tokens_of: list[list[int]] = [[] for _ in ids]
+    for token, word in enumerate(of_token):
+        if word >= 0:
+            tokens_of[word].append(token)
+    classes = WordClasses(of_token, tokens_of)
     _cache[tokenizer] = classes
     return classes
 
@@ -45,25 +66,16 @@ def repeat_bans(words: list[int], n: int) -> set[int]:
     return {words[i + n - 1] for i in range(len(words) - n + 1) if words[i:i + n - 1] == tail}
 
 
-def _class_of(ids: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
-    """Word ids of token ids; -1 for an id past the tokenizer (a model's padded vocabulary)."""
-    ids = ids.cpu()
-    inside = ids < len(classes)
-    return torch.where(inside, classes[ids.clamp(max=len(classes) - 1)], -1)
-
-
-def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: torch.Tensor) -> None:
-    """In place on one row's (V,) scores: -inf for the candidates (finite scores) whose word would repeat a word
-    n-gram of `answer` (token ids), unless that would leave the row no candidate."""
-    if not answer:
-        return
-    words = [c for c in _class_of(torch.tensor(answer), classes).tolist() if c >= 0]
-    banned = repeat_bans(words, n)
+def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses) -> None:
+    """In place on one row's (V,) scores: -inf for the tokens whose word would repeat a word n-gram of `answer`
+    (token ids), unless no finite score would be left."""
+    banned = repeat_bans(classes.words(answer), n)
     if not banned:
         return
-    finite = torch.isfinite(scores).nonzero().flatten()
-    look = finite if len(finite) <= 1000 else scores.topk(1000).indices  # the whole vocabulary: the likeliest
-    hit = torch.tensor([c in banned for c in _class_of(look, classes).tolist()], dtype=torch.bool)
-    if not bool(hit.any()) or (bool(hit.all()) and len(look) == len(finite)):
-        return
-    scores[look[hit.to(look.device)]] = float("-inf")
+    ids = torch.tensor([t for w in banned for t in classes.tokens_of[w] if t < scores.size(0)], dtype=torch.long,
+                       device=scores.device)
+    if len(ids) == 0 or not bool(torch.isfinite(scores[ids]).any()):
+        return  # no banned word is a candidate
+    kept = scores.index_fill(0, ids, float("-inf"))
+    if bool(torch.isfinite(kept).any()):
+        scores.copy_(kept)
