@@ -100,8 +100,10 @@ async def complete(request: Request, prompt: str, params: SamplingParams, resolv
 
 
 def stream(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
-           chunk: Callable[[str], dict], final: Callable[[Completion], dict]) -> StreamingResponse:
-    """Server-sent events: one `chunk(text)` per new piece of text, then `final(completion)`, then [DONE].
+           chunk: Callable[[str], dict], final: Callable[[Completion], dict | list[dict]],
+           headers: dict[str, str] | None = None) -> StreamingResponse:
+    """Server-sent events: one `chunk(text)` per new piece of text, then `final(completion)` (one event, or a
+    list of them), then [DONE].
 
     A client that goes away cancels its request: its row stops at the next decoding step.
     """
@@ -122,7 +124,9 @@ def stream(request: Request, prompt: str, params: SamplingParams, resolved: Reso
                     continue
                 while not texts.empty():
                     yield f"data: {json.dumps(chunk(texts.get_nowait()))}\n\n"
-                yield f"data: {json.dumps(final(done.result()))}\n\n"
+                last = final(done.result())
+                for event in last if isinstance(last, list) else [last]:
+                    yield f"data: {json.dumps(event)}\n\n"
                 yield "data: [DONE]\n\n"
                 return
         finally:
@@ -130,4 +134,5 @@ def stream(request: Request, prompt: str, params: SamplingParams, resolved: Reso
                 getter.cancel()
             pending.cancelled.set()  # no-op once finished; frees the row if the client left
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **(headers or {})})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import ConfigDict, Field, StrictBool
 
 from heads.decoding.decode import Completion
@@ -52,6 +52,11 @@ def error_body(status: int, detail) -> tuple[int, dict]:
     return status, {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+class StreamOptions(ValidText):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
 class OpenAIRequest(ValidText):
     model_config = ConfigDict(extra="ignore")
     model: str = Field("base", max_length=200)
@@ -61,6 +66,7 @@ class OpenAIRequest(ValidText):
     stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOPS)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=128)
     unlearning_profile: str | None = Field(None, max_length=200)
 
@@ -94,6 +100,20 @@ class ChatRequest(OpenAIRequest):
     logprobs: bool | None = None
 
 
+def _profile(resolved) -> tuple[dict, dict[str, str]]:
+    """Which profile version answered: a response field (`lethe_profile`) and headers."""
+    name = resolved.name or ("inline" if resolved.row is not None or resolved.adapter is not None else "base")
+    return ({"lethe_profile": {"name": resolved.name, "version": resolved.version}},
+            {"X-Lethe-Profile": name, "X-Lethe-Profile-Version": "" if resolved.version is None else str(resolved.version)})
+
+
+def _stream_end(body: OpenAIRequest, last: dict, usage: dict, envelope) -> list[dict]:
+    """The final chunk (finish reason), and with `stream_options.include_usage` OpenAI's usage chunk (no choices)."""
+    if body.stream_options is not None and body.stream_options.include_usage:
+        return [last, envelope(None, usage)]
+    return [last]
+
+
 def _usage(c: Completion) -> dict:
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "total_tokens": c.prompt_tokens + c.completion_tokens}
@@ -117,7 +137,8 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+async def completions(body: CompletionRequest, request: Request, response: Response,
+                      tenant_id: str | None = Depends(optional_tenant)):
     """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
     body.checks()
     if body.logprobs:
@@ -125,22 +146,26 @@ async def completions(body: CompletionRequest, request: Request, tenant_id: str 
     params = body.sampling(16)
     resolved, _ = await admit(request, tenant_id, body.prompt, params, body.profile(), ("prompt", "max_tokens"))
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    used, headers = _profile(resolved)
 
-    def envelope(choice: dict, usage: dict | None = None) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]}
+    def envelope(choice: dict | None, usage: dict | None = None) -> dict:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
+               "choices": [choice] if choice is not None else [], **used}
         return out | ({"usage": usage} if usage else {})
 
     if body.stream:
         return stream(request, body.prompt, params, resolved,
                       lambda t: envelope({"index": 0, "text": t, "finish_reason": None, "logprobs": None}),
-                      lambda c: envelope({"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None},
-                                         _usage(c)))
+                      lambda c: _stream_end(body, envelope({"index": 0, "text": "", "finish_reason": c.finish_reason,
+                                                            "logprobs": None}), _usage(c), envelope), headers)
     c = await complete(request, body.prompt, params, resolved)
+    response.headers.update(headers)
     return envelope({"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}, _usage(c))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+async def chat_completions(body: ChatRequest, request: Request, response: Response,
+                           tenant_id: str | None = Depends(optional_tenant)):
     """OpenAI-compatible chat; the tokenizer's chat template, else the Question/Answer format."""
     body.checks()
     if body.logprobs:
@@ -151,20 +176,33 @@ async def chat_completions(body: ChatRequest, request: Request, tenant_id: str |
     params = body.sampling(64)
     resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    used, headers = _profile(resolved)
 
-    def envelope(obj: str, choice: dict, usage: dict | None = None) -> dict:
-        out = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": [choice]}
+    def envelope(obj: str, choice: dict | None, usage: dict | None = None) -> dict:
+        out = {"id": rid, "object": obj, "created": created, "model": body.model,
+               "choices": [choice] if choice is not None else [], **used}
         return out | ({"usage": usage} if usage else {})
 
     if body.stream:
-        return stream(request, prompt, params, resolved,
-                      lambda t: envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant",
-                                                                                          "content": t},
-                                                                  "finish_reason": None}),
-                      lambda c: envelope("chat.completion.chunk", {"index": 0, "delta": {},
-                                                                  "finish_reason": c.finish_reason}, _usage(c)))
+        state = {"role_sent": False, "started": False}
+
+        def delta(text: str) -> dict:
+            """The role once, in the first chunk, as OpenAI sends it; the answer's leading spaces dropped, as in
+            the non-streamed message, so both give the same text."""
+            if not state["started"]:
+                text = text.lstrip()
+                state["started"] = bool(text)
+            d = {"content": text} if state["role_sent"] else {"role": "assistant", "content": text}
+            state["role_sent"] = True
+            return envelope("chat.completion.chunk", {"index": 0, "delta": d, "finish_reason": None})
+
+        return stream(request, prompt, params, resolved, delta,
+                      lambda c: _stream_end(body, envelope("chat.completion.chunk", {
+                          "index": 0, "delta": {}, "finish_reason": c.finish_reason}), _usage(c),
+                          lambda choice, usage: envelope("chat.completion.chunk", choice, usage)), headers)
     c = await complete(request, prompt, params, resolved)
-    return envelope("chat.completion", {"index": 0, "message": {"role": "assistant", "content": c.text.strip()},
+    response.headers.update(headers)
+    return envelope("chat.completion", {"index": 0, "message": {"role": "assistant", "content": c.text.lstrip()},
                                         "finish_reason": c.finish_reason}, _usage(c))
 
 

@@ -230,9 +230,20 @@ def test_openai_client_completions_and_chat_streaming_and_not(live, tenant_a, ti
     chat = client.chat.completions.create(model="base", messages=[{"role": "user", "content": rec["question"]}],
                                           max_tokens=40, temperature=0)
     assert chat.choices[0].message.content == rec["answer"]
-    parts = client.chat.completions.create(model="base", messages=[{"role": "user", "content": rec["question"]}],
-                                           max_tokens=40, temperature=0, stream=True)
-    assert "".join(p.choices[0].delta.content or "" for p in parts).strip() == rec["answer"]
+    parts = list(client.chat.completions.create(model="base", messages=[{"role": "user", "content": rec["question"]}],
+                                                max_tokens=40, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    chunks = [p for p in parts if p.choices]
+    assert "".join(p.choices[0].delta.content or "" for p in chunks) == chat.choices[0].message.content  # same text
+    assert [p.choices[0].delta.role for p in chunks].count("assistant") == 1  # the role once
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+    no_usage = list(client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, stream=True))
+    assert all(p.usage is None for p in no_usage)
+    raw = client.chat.completions.with_raw_response.create(model="forget-1", max_tokens=4,
+                                                           messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-lethe-profile"] == "forget-1" and raw.headers["x-lethe-profile-version"] == "1"
+    assert raw.parse().model_extra["lethe_profile"] == {"name": "forget-1", "version": 1}
     f = tenant_a["forget"][1]
     forgot = client.chat.completions.create(model="forget-1", messages=[{"role": "user", "content": f["question"]}],
                                             max_tokens=40, temperature=0)
