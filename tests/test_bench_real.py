@@ -42,7 +42,8 @@ def test_bench_real_quick_run_forgets_the_topic_and_scores_fluency(real_lm):
     from heads.evaluation.real import RealBenchConfig, markdown, run
 
     report = run(real_lm, RealBenchConfig(limit=6, seeds=(0,), temperatures=(1.0,), max_new_tokens=16,
-                                          variants={"abstain": {"abstain": "I don't know."}}), log=lambda *_: None)
+                                          variants={"abstain": {"abstain": "I don't know.", "abstain_above": 0.7}}),
+                 log=lambda *_: None)  # a head from 3 subjects per kind is less sure than the full bench's: 0.7
     assert report["format"] == "chat" and report["known"]["capital"] >= 3
     greedy = report["rows"][0]
     assert greedy["decoding"] == "greedy" and greedy["forget_hits_base"] == 1.0  # only known items are kept

@@ -147,7 +147,7 @@ def test_isolation_matrix_every_route_with_an_id_answers_404_for_another_tenant(
     body = "".join(json.dumps(r) + "\n" for r in tiny_records[:20]).encode()
     ds = app_client.post("/v1/datasets", content=body, headers=alice).json()["id"]
     job = app_client.post("/v1/heads", json={"forget": ds, "retain": ds}, headers=alice).json()["id"]
-    owned = {"dataset_id": ds, "job_id": job, "name": "up"}
+    owned = {"dataset_id": ds, "job_id": job, "name": "up", "model_id": "up"}  # model_id: a profile as a model
     while app_client.get(f"/v1/jobs/{job}", headers=alice).json()["status"] in ("queued", "running"):
         pass
     owned["head_id"] = app_client.get(f"/v1/jobs/{job}", headers=alice).json()["head"] or "head_none"
