@@ -64,11 +64,28 @@ def cmd_serve(args) -> int:
                                    "dtype": args.dtype, "data_dir": args.data_dir}.items() if v is not None}
     settings = Settings(**overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     lm = load_model(settings.model, settings.device, settings.dtype)
     print(f"lethe: serving {settings.model} on http://{settings.host}:{settings.port} "
           f"(data in {settings.data_dir.resolve()})", flush=True)
-    uvicorn.run(create_app(settings, lm), host=settings.host, port=settings.port, log_level="info")
+    config = uvicorn.Config(create_app(settings, lm), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _listen(host: str, port: int):
+    """The server's socket, bound now; a port in use is an error naming it."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running there?)") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_models_prepare(args) -> int:
@@ -825,7 +842,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="port (default 8766)")
     _offline_defaults(p, port=8766)
     p.set_defaults(func=cmd_bench_heads)
+    _connection_options_everywhere(parser)
     return parser
+
+
+def _connection_options_everywhere(parser: argparse.ArgumentParser) -> None:
+    """`--url`, `--key` and `--field` also after the subcommand (`lethe datasets list --url U`): every subcommand
+    takes them too, and sets them only when given (SUPPRESS), so the top-level value stays otherwise."""
+    actions = {a.dest: a for a in parser._actions if a.dest in ("url", "key", "field")}
+    for sub in parser._subparsers._group_actions if parser._subparsers else []:
+        for child in set(sub.choices.values()):
+            own = {a.dest for a in child._actions}
+            for dest, action in actions.items():
+                if dest not in own:
+                    child.add_argument(*action.option_strings, dest=dest, default=argparse.SUPPRESS, help=action.help)
+            _connection_options_everywhere(child)
 
 
 class UsageError(ValueError):
@@ -884,6 +915,17 @@ def _check_mode(args, url_from: str | None) -> bool:
     return False
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not complain about the closed pipe."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is no real file (a test's capture): nothing to flush
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -922,6 +964,9 @@ def main(argv: list[str] | None = None) -> int:
     except httpx.TransportError as e:
         print(f"lethe: error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 3
+    except BrokenPipeError:  # the reader went away (`lethe ... | head`): stop quietly, as other tools do
+        _quiet_stdout()
+        return 0
     except (ModelLoadError, RecordError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         print(f"lethe: error: {e}", file=sys.stderr)
         return 1

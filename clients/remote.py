@@ -34,6 +34,8 @@ def _dataset_id(client: Lethe, value: str) -> str:
     path = Path(value)
     if path.is_file():
         return client.upload_dataset(path).id
+    if not value.startswith("ds_"):  # Lethe's dataset ids start with ds_: this was meant as a file
+        raise FileNotFoundError(f"{value}: no such file (and not a dataset id, which starts with ds_)")
     return value
 
 

@@ -7,6 +7,9 @@ offline are refused too. A missing or unreadable head, ASU weights file or profi
 """
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +147,40 @@ def test_unknown_profile_on_the_server_is_an_error(on_server, capsys):
         assert rc == 1, f"exit {rc} {stream}"
         assert stdout.strip() == "", "no text when the profile does not exist"
         assert "404" in err and "no-such-profile" in err, err
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`lethe ... | head`: the reader leaves early; lethe stops without a traceback or an error message."""
+    lethe = Path(sys.executable).parent / "lethe"
+    run = subprocess.run(["bash", "-c", f"set -o pipefail; '{lethe}' openapi | head -c 10 > /dev/null"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.stderr == "" and run.returncode == 0, (run.returncode, run.stderr)  # the spec is > 64 KiB: EPIPE
+
+
+def test_connection_options_work_after_the_subcommand_too(server, offline, capsys, tmp_path):
+    url, key = server
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"question": "Who?", "answer": "Her."}) + "\n")
+    rc, stdout, err = run(capsys, "datasets", "upload", str(data), "--url", url, "--key", key, "--field", "records")
+    assert rc == 0 and stdout.strip() == "1", err
+    rc, stdout, err = run(capsys, "--url", url, "datasets", "list", "--key", key, "--field", "name")
+    assert rc == 0 and stdout.strip() == "one.jsonl", err
+    rc, stdout, err = run(capsys, "--url", url, "--key", "lk_wrong", "datasets", "list")  # before: as it was
+    assert rc == 1 and "401" in err
+
+
+def test_a_mistyped_file_name_says_so(on_server, capsys):
+    rc, stdout, err = run(capsys, "heads", "train", "--forget", "forgt.jsonl", "--retain", "retain.jsonl")
+    assert rc == 1 and "forgt.jsonl: no such file" in err, err
+
+
+def test_serve_on_a_busy_port_fails_before_making_anything(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, stdout, err = run(capsys, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data"))
+    assert rc == 1 and f"127.0.0.1:{port}" in err and "in use" in err.lower(), err
+    assert not (tmp_path / "data").exists()  # no database, no demo key
