@@ -931,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
 
-    from clients.client import Lethe, LetheError
+    from clients.client import Lethe, LetheConnectionError, LetheError
     from clients.remote import _print
     from heads.modelio import ModelLoadError
     from heads.records import RecordError
@@ -958,10 +958,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"lethe: error: {e}", file=sys.stderr)
         return 2
+    except LetheConnectionError as e:
+        print(f"lethe: error: {e.message}", file=sys.stderr)
+        return 3
     except LetheError as e:
         print(f"lethe: error: {e}", file=sys.stderr)
         return 1
-    except httpx.TransportError as e:
+    except httpx.TransportError as e:  # httpx used directly (the bench and job helpers)
         print(f"lethe: error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 3
     except BrokenPipeError:  # the reader went away (`lethe ... | head`): stop quietly, as other tools do

@@ -13,9 +13,11 @@ Every endpoint is one method; responses are parsed into the server's own pydanti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +37,37 @@ class LetheError(Exception):
         self.status, self.message, self.detail = status, message, detail
 
 
+class LetheConnectionError(LetheError):
+    """The server could not be reached (refused, timed out, name not found); `status` is 0."""
+
+    def __init__(self, url: str, error: Exception):
+        super().__init__(0, f"cannot reach {url}: {error}")
+        self.url = url
+
+
+@contextmanager
+def _reaching(http):
+    """httpx's transport errors (no server, a timeout) as LetheConnectionError."""
+    try:
+        yield
+    except httpx.TransportError as e:
+        raise LetheConnectionError(str(http.base_url), e) from e
+
+
+@asynccontextmanager
+async def _areaching(http):
+    try:
+        yield
+    except httpx.TransportError as e:
+        raise LetheConnectionError(str(http.base_url), e) from e
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
     try:
-        detail = response.json().get("detail")
+        body = response.json()
+        detail = body.get("detail") if "detail" in body else body.get("error", {}).get("message", body)
     except (json.JSONDecodeError, AttributeError):
         detail = response.text
     if isinstance(detail, list):  # validation errors: name the fields
@@ -214,12 +242,13 @@ class Lethe(_Calls):
         self.close()
 
     def _call(self, method: str, path: str, model: Any = None, **kwargs):
-        return _parse(self.http.request(method, path, **kwargs), model)
+        with _reaching(self.http):
+            return _parse(self.http.request(method, path, **kwargs), model)
 
     def stream_generate(self, prompt: str, profile: str | dict | None = None, **sampling) -> Iterator[str]:
         """Yield the text as it is generated."""
         body = self._generate_body(prompt, profile, sampling) | {"stream": True}
-        with self.http.stream("POST", "/generate", json=body) as r:
+        with _reaching(self.http), self.http.stream("POST", "/generate", json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
@@ -229,7 +258,7 @@ class Lethe(_Calls):
 
     def job_events(self, job_id: str) -> Iterator[JobOut]:
         """The job's state each time it changes, until it ends."""
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+        with _reaching(self.http), self.http.stream("GET", f"/v1/jobs/{job_id}/events") as r:
             if r.status_code >= 400:
                 r.read()
                 _raise_for(r)
@@ -267,11 +296,12 @@ class AsyncLethe(_Calls):
         await self.aclose()
 
     async def _call(self, method: str, path: str, model: Any = None, **kwargs):
-        return _parse(await self.http.request(method, path, **kwargs), model)
+        async with _areaching(self.http):
+            return _parse(await self.http.request(method, path, **kwargs), model)
 
     async def stream_generate(self, prompt: str, profile: str | dict | None = None, **sampling) -> AsyncIterator[str]:
         body = self._generate_body(prompt, profile, sampling) | {"stream": True}
-        async with self.http.stream("POST", "/generate", json=body) as r:
+        async with _areaching(self.http), self.http.stream("POST", "/generate", json=body) as r:
             if r.status_code >= 400:
                 await r.aread()
                 _raise_for(r)
@@ -281,7 +311,7 @@ class AsyncLethe(_Calls):
                         yield event["text"]
 
     async def job_events(self, job_id: str) -> AsyncIterator[JobOut]:
-        async with self.http.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+        async with _areaching(self.http), self.http.stream("GET", f"/v1/jobs/{job_id}/events") as r:
             if r.status_code >= 400:
                 await r.aread()
                 _raise_for(r)
@@ -289,13 +319,26 @@ class AsyncLethe(_Calls):
                 for event in _sse([line]):
                     yield JobOut(**event)
 
-    async def wait(self, job: JobOut | str, on_progress: Callable[[JobOut], None] | None = None) -> JobOut:
+    async def wait(self, job: JobOut | str, on_progress: Callable[[JobOut], None] | None = None,
+                   timeout: float | None = None) -> JobOut:
+        """Follow a job to its end; raises LetheError if it failed or was cancelled, TimeoutError after `timeout`
+        seconds (the job goes on)."""
         job_id = job if isinstance(job, str) else job.id
-        state = await self.get_job(job_id)
-        async for state in self.job_events(job_id):
-            if on_progress:
-                on_progress(state)
-        return _finished(state)
+        last: list[JobOut] = []
+
+        async def follow() -> None:
+            last.append(await self.get_job(job_id))
+            async for state in self.job_events(job_id):
+                last.append(state)
+                if on_progress:
+                    on_progress(state)
+
+        try:
+            await asyncio.wait_for(follow(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"job {job_id} still {last[-1].status if last else 'unknown'} after {timeout} s") \
+                from None
+        return _finished(last[-1])
 
 
 def _finished(state: JobOut) -> JobOut:

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from clients.client import AsyncLethe, Lethe, LetheError
+from clients.client import AsyncLethe, Lethe, LetheConnectionError, LetheError
 from heads.modelio import load_model
 from heads.records import question_prompt
 from live_server import ADMIN_KEY, running_server
@@ -100,7 +100,10 @@ def test_async_client(server, sets):
         async with AsyncLethe(server, key=tenant.api_key) as c:
             f = await c.upload_dataset(folder / "forget.jsonl")
             r = await c.upload_dataset(folder / "retain.jsonl")
-            job = await c.wait(await c.train_head(f.id, r.id))
+            started = await c.train_head(f.id, r.id)
+            with pytest.raises(TimeoutError):
+                await c.wait(started, timeout=0.001)  # the job goes on
+            job = await c.wait(started, timeout=120)
             await c.set_profile("p", head=job.head)
             prompt = question_prompt(forget[1]["question"])
             plain = await c.generate(prompt, temperature=0)
@@ -112,3 +115,18 @@ def test_async_client(server, sets):
 
     plain, streamed, tilted = asyncio.run(run())
     assert plain.text == streamed and plain.text.strip() == forget[1]["answer"] and tilted.text != plain.text
+
+
+def test_an_unreachable_server_is_a_lethe_error():
+    with pytest.raises(LetheConnectionError) as e:
+        Lethe("http://127.0.0.1:9", timeout=5).list_datasets()
+    assert isinstance(e.value, LetheError) and e.value.status == 0 and "127.0.0.1:9" in e.value.message
+    with pytest.raises(LetheConnectionError):
+        list(Lethe("http://127.0.0.1:9", timeout=5).stream_generate("hi"))
+
+    async def run():
+        async with AsyncLethe("http://127.0.0.1:9", timeout=5) as c:
+            await c.health()
+
+    with pytest.raises(LetheConnectionError):
+        asyncio.run(run())

@@ -42,6 +42,7 @@ def test_wheel_installs_in_a_fresh_venv_and_its_commands_run(tmp_path):
     wheel = next((tmp_path / "dist").glob("lethe-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "heads/demo/assets/model/model.safetensors" in names and "server/app.py" in names
+    assert {"clients/py.typed", "heads/py.typed", "server/py.typed"} <= set(names)  # typed packages (PEP 561)
     venv.create(tmp_path / "venv", with_pip=True)
     py = tmp_path / "venv" / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300)
