@@ -1,8 +1,11 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
 
 The profile is chosen by `model` (a profile name, or `base`) or by an `unlearning_profile` field.
-Fields of the OpenAI API that Lethe does not use are accepted and ignored, as OpenAI clients send
-many of them; `n` > 1 and `logprobs` are refused with a 400 naming them.
+Sampling: temperature, top_p, vLLM's top_k and min_p, presence and frequency penalties, seed, stop,
+`n` choices (and completions' lists of prompts or token ids), `echo`; applied after the profile's
+tilt, on the distribution actually sampled. Fields that would change the answer and that Lethe does
+not implement (`logprobs`, `repetition_penalty`, `logit_bias`, `tools`, a `response_format` other
+than text, `best_of`, `suffix`) are refused with a 400 naming them; others (`user`, ...) are ignored.
 
 Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message", "type", "param",
 "code"}}`, and a request the schema refuses is 400 (the native API keeps FastAPI's 422 and
@@ -11,6 +14,7 @@ Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message",
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -19,12 +23,14 @@ from pydantic import ConfigDict, Field, StrictBool
 
 from heads.decoding.decode import Completion
 from heads.records import PROMPT_FORMAT
-from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, SamplingParams
+from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K, SamplingParams
 from server.auth import optional_tenant
 from server.generation import admit, complete, field_error, stream
 from server.protocol import MAX_PROMPT_CHARS, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
+
+MAX_N = 16  # choices per request (n, or prompts x n)
 
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -63,41 +69,96 @@ class OpenAIRequest(ValidText):
     max_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="vLLM's: the k likeliest tokens (0 or -1: off).")
+    min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="vLLM's: tokens below min_p x the best.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOPS)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED - MAX_N)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     unlearning_profile: str | None = Field(None, max_length=200)
+    # accepted only at their neutral values: anything else is a 400 naming the field, never silently ignored
+    repetition_penalty: float | None = None
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    best_of: int | None = None
 
-    def checks(self) -> None:
-        if self.n != 1:
-            raise field_error("n", "only n = 1 is supported")
+    def checks(self, choices: int) -> None:
+        refused = {"repetition_penalty": self.repetition_penalty not in (None, 1, 1.0),
+                   "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
+                   "tool_choice": self.tool_choice not in (None, "none"),
+                   "response_format": self.response_format is not None
+                   and self.response_format.get("type", "text") != "text",
+                   "best_of": self.best_of not in (None, 1)}
+        for name, bad in refused.items():
+            if bad:
+                raise field_error(name, f"{name} is not supported by this server", 400)
+        if self.stream and choices > 1:
+            raise field_error("n", "streaming gives one choice: n = 1 and one prompt", 400)
 
     def profile(self) -> str | None:
         return self.unlearning_profile or (None if self.model in ("base", "") else self.model)
 
-    def sampling(self, default_max: int) -> SamplingParams:
+    def sampling(self, default_max: int, choice: int = 0) -> SamplingParams:
+        """The choice'th sampling settings: with a seed, choice i draws with seed + i (n > 1 differ, yet repeat)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(max_new_tokens=self.max_tokens or default_max, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=[s for s in stop if s])
+                              top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              seed=None if self.seed is None else self.seed + choice, stop=[s for s in stop if s])
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A prompt, a list of prompts (a choice each), or token ids (one list, or a list of lists).")
     logprobs: int | None = None
+    echo: StrictBool = Field(False, description="Put the prompt before the completion's text.")
+    suffix: str | None = None
+
+    def prompts(self, tokenizer) -> list[str]:
+        """The prompts as text (token ids decoded with the model's tokenizer); each non-empty and bounded."""
+        items = [self.prompt] if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)) \
+            else list(self.prompt)
+        if not items or len(items) > MAX_N:
+            raise field_error("prompt", f"give 1 to {MAX_N} prompts", 400)
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in items]
+        for text in texts:
+            if not text or len(text) > MAX_PROMPT_CHARS:
+                raise field_error("prompt", f"a prompt must have 1 to {MAX_PROMPT_CHARS} characters", 400)
+        return texts
+
+
+class TextPart(ValidText):
+    model_config = ConfigDict(extra="ignore")
+    type: str = Field(max_length=50)
+    text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
 
 
 class Message(ValidText):
     model_config = ConfigDict(extra="ignore")
     role: str = Field(max_length=100)
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    content: str | list[TextPart] | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    def text(self) -> str:
+        """The content as text: parts of type `text` joined; none (an assistant's tool call) is empty."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text":
+                raise field_error("messages", f"content parts of type {part.type!r} are not supported (text only)",
+                                  400)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1, max_length=10_000)
     max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 def _profile(resolved) -> tuple[dict, dict[str, str]]:
@@ -121,69 +182,101 @@ def _usage(c: Completion) -> dict:
 
 def chat_prompt(tokenizer, messages: list[Message]) -> str:
     """The tokenizer's chat template when it has one; else Lethe's question-answer format."""
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     parts = []
-    for m in messages:
-        if m.role == "user":
-            parts.append(PROMPT_FORMAT.format(question=m.content))
-        elif m.role == "assistant":
-            parts.append(" " + m.content + "\n")
+    for turn in turns:
+        if turn["role"] == "user":
+            parts.append(PROMPT_FORMAT.format(question=turn["content"]))
+        elif turn["role"] == "assistant":
+            parts.append(" " + turn["content"] + "\n")
         else:
-            parts.append(m.content + "\n")
+            parts.append(turn["content"] + "\n")
     prompt = "".join(parts)
     return prompt if prompt.endswith("Answer:") else prompt + "Answer:"
+
+
+async def _choices(request: Request, tenant_id: str | None, body: OpenAIRequest, prompts: list[str],
+                   default_max: int, fields: tuple[str, str]) -> tuple[list[tuple[int, str, Completion]], object]:
+    """Every choice decoded (n per prompt, in one batch with everyone else's rows): (index, prompt, completion)
+    in order, and the first choice's resolved profile (all resolve the same profile name)."""
+    async def one(index: int, prompt: str, choice: int):
+        params = body.sampling(default_max, choice)
+        resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), fields)
+        return resolved, (index, prompt, await complete(request, prompt, params, resolved))
+
+    done = await asyncio.gather(*(one(i * body.n + j, p, j) for i, p in enumerate(prompts) for j in range(body.n)))
+    return [c for _, c in done], done[0][0]
+
+
+def _total_usage(completions: list[Completion]) -> dict:
+    prompt = sum(c.prompt_tokens for c in completions)
+    generated = sum(c.completion_tokens for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response,
                       tenant_id: str | None = Depends(optional_tenant)):
     """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
-    body.checks()
+    prompts = body.prompts(request.app.state.engine.lm.tokenizer)
+    body.checks(len(prompts) * body.n)
     if body.logprobs:
-        raise field_error("logprobs", "logprobs are not supported")
-    params = body.sampling(16)
-    resolved, _ = await admit(request, tenant_id, body.prompt, params, body.profile(), ("prompt", "max_tokens"))
+        raise field_error("logprobs", "logprobs are not supported", 400)
+    if body.suffix:
+        raise field_error("suffix", "suffix is not supported by this server", 400)
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    used, headers = _profile(resolved)
 
-    def envelope(choice: dict | None, usage: dict | None = None) -> dict:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
-               "choices": [choice] if choice is not None else [], **used}
+    def envelope(used: dict, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
+        choices = choice if isinstance(choice, list) else [choice] if choice is not None else []
+        out = {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": choices,
+               **used}
         return out | ({"usage": usage} if usage else {})
 
     if body.stream:
-        return stream(request, body.prompt, params, resolved,
-                      lambda t: envelope({"index": 0, "text": t, "finish_reason": None, "logprobs": None}),
-                      lambda c: _stream_end(body, envelope({"index": 0, "text": "", "finish_reason": c.finish_reason,
-                                                            "logprobs": None}), _usage(c), envelope), headers)
-    c = await complete(request, body.prompt, params, resolved)
+        params = body.sampling(16)
+        resolved, _ = await admit(request, tenant_id, prompts[0], params, body.profile(), ("prompt", "max_tokens"))
+        used, headers = _profile(resolved)
+        echoed = [body.echo]
+
+        def piece(text: str) -> dict:  # with echo, the prompt comes first, in the first chunk
+            text, echoed[0] = (prompts[0] + text if echoed[0] else text), False
+            return envelope(used, {"index": 0, "text": text, "finish_reason": None, "logprobs": None})
+
+        return stream(request, prompts[0], params, resolved, piece,
+                      lambda c: _stream_end(body, envelope(used, {"index": 0, "text": prompts[0] if echoed[0] else "",
+                                                                  "logprobs": None, "finish_reason": c.finish_reason}),
+                                            _usage(c),
+                                            lambda choice, usage: envelope(used, choice, usage)), headers)
+    done, resolved = await _choices(request, tenant_id, body, prompts, 16, ("prompt", "max_tokens"))
+    used, headers = _profile(resolved)
     response.headers.update(headers)
-    return envelope({"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}, _usage(c))
+    return envelope(used, [{"index": i, "text": (p if body.echo else "") + c.text, "finish_reason": c.finish_reason,
+                            "logprobs": None} for i, p, c in done], _total_usage([c for _, _, c in done]))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, response: Response,
                            tenant_id: str | None = Depends(optional_tenant)):
     """OpenAI-compatible chat; the tokenizer's chat template, else the Question/Answer format."""
-    body.checks()
-    if body.logprobs:
-        raise field_error("logprobs", "logprobs are not supported")
+    body.checks(body.n)
+    if body.logprobs or body.top_logprobs:
+        raise field_error("logprobs", "logprobs are not supported", 400)
     if body.max_completion_tokens and not body.max_tokens:
         body.max_tokens = body.max_completion_tokens
     prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
-    params = body.sampling(64)
-    resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    used, headers = _profile(resolved)
 
-    def envelope(obj: str, choice: dict | None, usage: dict | None = None) -> dict:
-        out = {"id": rid, "object": obj, "created": created, "model": body.model,
-               "choices": [choice] if choice is not None else [], **used}
+    def envelope(used: dict, obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
+        choices = choice if isinstance(choice, list) else [choice] if choice is not None else []
+        out = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, **used}
         return out | ({"usage": usage} if usage else {})
 
     if body.stream:
+        params = body.sampling(64)
+        resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
+        used, headers = _profile(resolved)
         state = {"role_sent": False, "started": False}
 
         def delta(text: str) -> dict:
@@ -194,16 +287,18 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
                 state["started"] = bool(text)
             d = {"content": text} if state["role_sent"] else {"role": "assistant", "content": text}
             state["role_sent"] = True
-            return envelope("chat.completion.chunk", {"index": 0, "delta": d, "finish_reason": None})
+            return envelope(used, "chat.completion.chunk", {"index": 0, "delta": d, "finish_reason": None})
 
         return stream(request, prompt, params, resolved, delta,
-                      lambda c: _stream_end(body, envelope("chat.completion.chunk", {
+                      lambda c: _stream_end(body, envelope(used, "chat.completion.chunk", {
                           "index": 0, "delta": {}, "finish_reason": c.finish_reason}), _usage(c),
-                          lambda choice, usage: envelope("chat.completion.chunk", choice, usage)), headers)
-    c = await complete(request, prompt, params, resolved)
+                          lambda choice, usage: envelope(used, "chat.completion.chunk", choice, usage)), headers)
+    done, resolved = await _choices(request, tenant_id, body, [prompt], 64, ("messages", "max_tokens"))
+    used, headers = _profile(resolved)
     response.headers.update(headers)
-    return envelope("chat.completion", {"index": 0, "message": {"role": "assistant", "content": c.text.lstrip()},
-                                        "finish_reason": c.finish_reason}, _usage(c))
+    return envelope(used, "chat.completion", [
+        {"index": i, "message": {"role": "assistant", "content": c.text.lstrip()}, "finish_reason": c.finish_reason}
+        for i, _, c in done], _total_usage([c for _, _, c in done]))
 
 
 def _model(name: str) -> dict:

@@ -268,6 +268,43 @@ def test_a_placeholder_key_is_anonymous_and_a_wrong_lethe_key_is_refused(live, t
     assert httpx.get(live + "/v1/datasets", headers={"Authorization": "Bearer EMPTY"}).status_code == 401
 
 
+def test_openai_request_shapes_vllm_users_send(live, tenant_a, tiny_lm):
+    from openai import OpenAI
+
+    key = tenant_a["client"].headers["Authorization"].split()[1]
+    client = OpenAI(base_url=live + "/v1", api_key=key)
+    rec = tenant_a["retain"][0]
+    q = question_prompt(rec["question"])
+    one = client.completions.create(model="base", prompt=q, max_tokens=24, temperature=0)
+    many = client.completions.create(model="base", prompt=[q, q], max_tokens=24, temperature=0, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3] and {c.text for c in many.choices} == {one.choices[0].text}
+    assert many.usage.completion_tokens == 4 * one.usage.completion_tokens
+    ids = client.completions.create(model="base", prompt=tiny_lm.tokenizer.encode(q, add_special_tokens=False),
+                                    max_tokens=24, temperature=0)
+    assert ids.choices[0].text == one.choices[0].text
+    echoed = client.completions.create(model="base", prompt=q, max_tokens=24, temperature=0, echo=True)
+    assert echoed.choices[0].text == q + one.choices[0].text
+    sampled = client.completions.create(model="base", prompt=q, max_tokens=24, temperature=1, seed=5, n=3)
+    assert len({c.text for c in sampled.choices}) >= 2  # seeds 5, 6, 7: different draws
+    again = client.completions.create(model="base", prompt=q, max_tokens=24, temperature=1, seed=5, n=3)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # and repeatable
+    penalized = client.completions.create(model="base", prompt=q, max_tokens=24, temperature=0, frequency_penalty=2,
+                                          presence_penalty=2, extra_body={"top_k": 5, "min_p": 0.1})
+    words = penalized.choices[0].text.split()
+    assert len(words) == len(set(words)) or penalized.choices[0].text != one.choices[0].text
+    parts = client.chat.completions.create(model="base", max_tokens=40, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": rec["question"]}]}])
+    plain = client.chat.completions.create(model="base", max_tokens=40, temperature=0,
+                                           messages=[{"role": "user", "content": rec["question"]}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    history = client.chat.completions.create(model="base", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": rec["question"]}])
+    assert history.choices[0].finish_reason in ("stop", "length")
+
+
 def test_openai_errors_have_openai_shape(live, tenant_a):
     import openai
     from openai import OpenAI
@@ -277,9 +314,12 @@ def test_openai_errors_have_openai_shape(live, tenant_a):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=10**9)
     assert e.value.param == "max_tokens" and e.value.type == "invalid_request_error" and "max_tokens" in str(e.value)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="base", prompt="hi", n=2)
-    assert e.value.param == "n"
+    for refused in ({"logit_bias": {"5": 10}}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                    {"response_format": {"type": "json_object"}}, {"logprobs": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           **refused)
+        assert e.value.param == next(iter(refused)), refused  # refused by name, never silently ignored
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-profile", prompt="hi", max_tokens=2)
     assert "no-such-profile" in str(e.value) and e.value.type == "not_found_error"

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from heads.decoding.repeats import ban_repeats, word_classes
-from heads.decoding.sampling import SamplingParams, make_generator, sample
+from heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 
 
 class Guide(Protocol):
@@ -112,6 +112,7 @@ class Batch:
         self.temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
         self.top_k = torch.tensor([p.top_k for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        self.min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
         self.cache = DynamicCache(config=model.config)
         with torch.inference_mode(), self._adapters():
             last, self.pooled_sum, count = prefill(model, input_ids, self.attention_mask, self.cache)
@@ -143,8 +144,11 @@ class Batch:
         logits = next_logits(self.model, self._last_hidden)
         if self.guide is not None:
             logits = self._guided(logits)
+        logits = penalize(logits, [r.token_ids for r in self.rows], [r.params.presence_penalty for r in self.rows],
+                          [r.params.frequency_penalty for r in self.rows])
         failed: dict[int, Exception] = {}
-        tokens = sample(logits, self.temperature, self.top_k, self.top_p, [r.generator for r in self.rows], failed)
+        tokens = sample(logits, self.temperature, self.top_k, self.top_p, [r.generator for r in self.rows], failed,
+                        self.min_p)
         for i, error in failed.items():
             self.fail(i, error)
         emitted: list[int | None] = []
@@ -266,7 +270,7 @@ class Batch:
             mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)])
             mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)])
         self.attention_mask = torch.cat([left_pad(self.attention_mask, 1), left_pad(other.attention_mask, 1)])
-        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p"):
+        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         if self.adapters is not None or other.adapters is not None:
             self.adapters = (self.adapters or ["__base__"] * len(self.rows)) + \
@@ -293,7 +297,7 @@ class Batch:
             layer.keys = layer.keys[idx, :, start:]
             layer.values = layer.values[idx, :, start:]
         self.attention_mask = mask[:, start:]
-        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p"):
+        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, getattr(self, name)[idx])
         self.rows = [self.rows[i] for i in keep]
         if self.adapters is not None:

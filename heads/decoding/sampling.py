@@ -1,4 +1,4 @@
-"""Turning one step's logits into next tokens: per-row temperature, top-k, top-p and seed.
+"""Turning one step's logits into next tokens: per-row penalties, temperature, top-k, top-p, min-p and seed.
 
 Pure tensor functions. Every setting is a tensor with one entry per batch row,
 so rows with different settings decode in one batch. Temperature 0 is greedy.
@@ -29,6 +29,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    min_p: float = 0.0  # drop tokens below min_p x the best token's probability (after temperature); 0: off
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token the answer already holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the answer
 
     def __post_init__(self):
         """Checked wherever they are made (HTTP, CLI, Python), so no value reaches a batch that fails it."""
@@ -39,7 +42,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed: must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-        for name, ok in (("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE), ("top_p", lambda v: 0 < v <= 1)):
+        for name, ok in (("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE), ("top_p", lambda v: 0 < v <= 1),
+                         ("min_p", lambda v: 0 <= v <= 1), ("presence_penalty", lambda v: -2 <= v <= 2),
+                         ("frequency_penalty", lambda v: -2 <= v <= 2)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"{name}: out of range, got {value!r}")
@@ -48,13 +53,32 @@ class SamplingParams:
         if len(self.stop) > MAX_STOPS or any(not isinstance(s, str) or len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
 
-def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """Probabilities after temperature, then top-k, then top-p (nucleus); rows independent.
+def penalize(logits: torch.Tensor, answers: list[list[int]], presence: list[float],
+             frequency: list[float]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on each row's tokens so far: logit - presence [count > 0]
+    - frequency * count. Rows without penalties are left as they are (no copy when none has any)."""
+    rows = [i for i, (p, f) in enumerate(zip(presence, frequency)) if (p or f) and answers[i]]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        counts = torch.bincount(torch.tensor(answers[i], device=logits.device), minlength=logits.size(-1))
+        counts = counts[: logits.size(-1)].to(logits.dtype)
+        logits[i] -= presence[i] * (counts > 0).to(logits.dtype) + frequency[i] * counts
+    return logits
 
-    logits (B, V); temperature (B,) > 0; top_k (B,) with 0 meaning off; top_p (B,) in (0, 1].
+
+def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities after temperature, then top-k, then top-p (nucleus), then min-p; rows independent.
+
+    logits (B, V); temperature (B,) > 0; top_k (B,) with 0 meaning off; top_p (B,) in (0, 1]; min_p (B,) in
+    [0, 1], 0 (or None for every row) meaning off.
     """
     logits = logits.float() / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):  # min-p: relative to the best token, whatever top-k/p keep
+        floor = logits.amax(-1, keepdim=True) + torch.log(min_p[:, None])
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if bool((top_k <= 0).all()) and bool((top_p >= 1).all()):
         return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -70,7 +94,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator], failed: dict[int, Exception] | None = None) -> torch.Tensor:
+           generators: list[torch.Generator], failed: dict[int, Exception] | None = None,
+           min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Next token per row: argmax where temperature is 0, else a draw from that row's own generator.
 
     With `failed`, a row whose draw raises (probabilities that are not finite, say) is recorded there
@@ -79,7 +104,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     sampled = (temperature > 0).nonzero().flatten().tolist()
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
-        probs = logits_to_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
+        probs = logits_to_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows],
+                                None if min_p is None else min_p[rows])
         for j, row in enumerate(sampled):
             try:
                 tokens[row] = torch.multinomial(probs[j], 1, generator=generators[row])[0]
