@@ -55,14 +55,22 @@ def cmd_serve(args) -> int:
     import logging
 
     import uvicorn
+    from pydantic import ValidationError
 
     from heads.modelio import load_model
     from server.app import create_app
-    from server.settings import Settings
+    from server.settings import Settings, read_config
 
-    overrides = {k: v for k, v in {"model": args.model, "host": args.host, "port": args.port, "device": args.device,
-                                   "dtype": args.dtype, "data_dir": args.data_dir}.items() if v is not None}
-    settings = Settings(**overrides)
+    flags = {"model": args.model, "host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
+             "data_dir": args.data_dir, "max_batch_size": args.max_batch_size, "max_queue": args.max_queue,
+             "max_model_len": args.max_model_len, "served_model_name": args.served_model_name,
+             "chat_template": args.chat_template}
+    # flags over the config file, the file over LETHE_* variables, those over the defaults
+    values = (read_config(args.config) if args.config else {}) | {k: v for k, v in flags.items() if v is not None}
+    try:
+        settings = Settings(**values)
+    except ValidationError as e:
+        raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     lm = load_model(settings.model, settings.device, settings.dtype)
@@ -557,6 +565,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--data-dir", type=Path, default=None, help="metadata, datasets and heads (default ./lethe-data)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="requests decoded together at most (default 16)")
+    p.add_argument("--max-queue", type=int, default=None, help="requests waiting at most; more answer 429 (256)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt plus new tokens at most (default: the model's context length)")
+    p.add_argument("--served-model-name", default=None, help="a name for the base model on the OpenAI routes")
+    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file to use instead of "
+                                                                    "the tokenizer's")
+    p.add_argument("--config", type=Path, default=None,
+                   help="settings from a TOML or JSON file (names as the LETHE_* variables, lower case); flags win")
     p.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="models users have: prepare a GGUF file once for fast starts"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from heads.modelio import LoadedModel, load_model
+from server import __version__
 from server import openai_api, routes
 from server.auth import optional_tenant
 from server.engine import Engine, QueueFull
@@ -27,7 +28,8 @@ from server.jobs import JobRunner
 from server.metrics import Metrics
 from server.profiles import AdapterCache, HeadCache
 from server.quotas import QuotaExceeded, Quotas
-from server.protocol import GenerateRequest, GenerateResponse, Health, ProfileUsed, Ready, Usage
+from server.protocol import (DetokenizeRequest, DetokenizeResponse, GenerateRequest, GenerateResponse, Health,
+                             ProfileUsed, Ready, TokenizeRequest, TokenizeResponse, Usage, Version)
 from server.settings import Settings
 from server.storage import Store
 
@@ -181,8 +183,11 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         if settings.demo_tenant and not store.q("SELECT id FROM tenants LIMIT 1"):
             _, key = store.create_tenant("demo")
             print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)
+        if settings.chat_template is not None:  # before the engine copies the tokenizer
+            model.tokenizer.chat_template = Path(settings.chat_template).read_text()
         app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics()
-        app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics)
+        app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics,
+                                  settings.max_model_len)
         app.state.heads = HeadCache(store, model, settings.head_cache_size)
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
         app.state.quotas = Quotas(store, settings)
@@ -260,6 +265,34 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect):
         return _error(request, 408, "the request body ended early or stalled")
+
+    @app.get("/version", response_model=Version, tags=["operations"])
+    async def version(request: Request) -> Version:
+        """Lethe's version, and the model served (name and fingerprint)."""
+        engine: Engine = request.app.state.engine
+        return Version(version=__version__, model=Path(str(engine.lm.path)).name, fingerprint=engine.lm.fingerprint,
+                       max_model_len=engine.context_length)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, tags=["operations"])
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        """Token ids of a prompt (or of chat messages through the chat template), as vLLM's /tokenize."""
+        engine: Engine = request.app.state.engine
+        text = body.prompt if body.prompt is not None else openai_api.chat_prompt(engine.lm.tokenizer, body.messages)
+        with engine.tokenizer_lock:
+            tokens = engine.lm.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.context_length)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, tags=["operations"])
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        """The text of token ids, as vLLM's /detokenize."""
+        engine: Engine = request.app.state.engine
+        vocab = len(engine.lm.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPException(422, detail=[{"loc": ["body", "tokens"], "msg": f"token {bad} is not in the "
+                                              f"vocabulary of {vocab}", "type": "value_error"}])
+        with engine.tokenizer_lock:
+            return DetokenizeResponse(prompt=engine.lm.tokenizer.decode(body.tokens))
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:

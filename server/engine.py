@@ -58,8 +58,10 @@ class Pending:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, max_batch_size: int = 16, max_queue: int = 256, metrics=None):
+    def __init__(self, lm: LoadedModel, max_batch_size: int = 16, max_queue: int = 256, metrics=None,
+                 max_model_len: int | None = None):
         self.lm = lm
+        self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.metrics = metrics
         self.queue: queue.Queue[Pending | None] = queue.Queue(maxsize=max_queue)
@@ -78,7 +80,9 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        return int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
+        """Prompt plus new tokens at most: the model's context, or less where the operator set max_model_len."""
+        own = int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
+        return own if self.max_model_len is None else min(own, self.max_model_len)
 
     def count_tokens(self, text: str) -> int:
         with self.tokenizer_lock:

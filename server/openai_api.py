@@ -26,7 +26,7 @@ from heads.records import PROMPT_FORMAT
 from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K, SamplingParams
 from server.auth import optional_tenant
 from server.generation import admit, complete, field_error, stream
-from server.protocol import MAX_PROMPT_CHARS, StopString, ValidText
+from server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
 
@@ -100,8 +100,12 @@ class OpenAIRequest(ValidText):
         if self.stream and choices > 1:
             raise field_error("n", "streaming gives one choice: n = 1 and one prompt", 400)
 
-    def profile(self) -> str | None:
-        return self.unlearning_profile or (None if self.model in ("base", "") else self.model)
+    def profile(self, served: str | None = None) -> str | None:
+        """The profile asked for: `unlearning_profile`, else `model` unless it names the base model (`base`, or the
+        operator's --served-model-name)."""
+        if self.unlearning_profile:
+            return self.unlearning_profile
+        return None if self.model in ("base", "") or self.model == served else self.model
 
     def sampling(self, default_max: int, choice: int = 0) -> SamplingParams:
         """The choice'th sampling settings: with a seed, choice i draws with seed + i (n > 1 differ, yet repeat)."""
@@ -132,33 +136,15 @@ class CompletionRequest(OpenAIRequest):
         return texts
 
 
-class TextPart(ValidText):
-    model_config = ConfigDict(extra="ignore")
-    type: str = Field(max_length=50)
-    text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
-
-
-class Message(ValidText):
-    model_config = ConfigDict(extra="ignore")
-    role: str = Field(max_length=100)
-    content: str | list[TextPart] | None = Field(None, max_length=MAX_PROMPT_CHARS)
-
-    def text(self) -> str:
-        """The content as text: parts of type `text` joined; none (an assistant's tool call) is empty."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        for part in self.content:
-            if part.type != "text":
-                raise field_error("messages", f"content parts of type {part.type!r} are not supported (text only)",
-                                  400)
-        return "".join(part.text or "" for part in self.content)
-
-
 class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1, max_length=10_000)
     max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+
+def _asked(body: OpenAIRequest, request: Request) -> str | None:
+    return body.profile(request.app.state.settings.served_model_name)
 
 
 def _profile(resolved) -> tuple[dict, dict[str, str]]:
@@ -203,7 +189,7 @@ async def _choices(request: Request, tenant_id: str | None, body: OpenAIRequest,
     in order, and the first choice's resolved profile (all resolve the same profile name)."""
     async def one(index: int, prompt: str, choice: int):
         params = body.sampling(default_max, choice)
-        resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), fields)
+        resolved, _ = await admit(request, tenant_id, prompt, params, _asked(body, request), fields)
         return resolved, (index, prompt, await complete(request, prompt, params, resolved))
 
     done = await asyncio.gather(*(one(i * body.n + j, p, j) for i, p in enumerate(prompts) for j in range(body.n)))
@@ -236,7 +222,8 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
 
     if body.stream:
         params = body.sampling(16)
-        resolved, _ = await admit(request, tenant_id, prompts[0], params, body.profile(), ("prompt", "max_tokens"))
+        resolved, _ = await admit(request, tenant_id, prompts[0], params, _asked(body, request),
+                                  ("prompt", "max_tokens"))
         used, headers = _profile(resolved)
         echoed = [body.echo]
 
@@ -275,7 +262,8 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
 
     if body.stream:
         params = body.sampling(64)
-        resolved, _ = await admit(request, tenant_id, prompt, params, body.profile(), ("messages", "max_tokens"))
+        resolved, _ = await admit(request, tenant_id, prompt, params, _asked(body, request),
+                                  ("messages", "max_tokens"))
         used, headers = _profile(resolved)
         state = {"role_sent": False, "started": False}
 
@@ -308,13 +296,16 @@ def _model(name: str) -> dict:
 @router.get("/v1/models")
 def models(request: Request, tenant_id: str | None = Depends(optional_tenant)):
     """`base` and the tenant's profiles, as OpenAI models."""
-    names = ["base"] + (request.app.state.store.profile_names(tenant_id) if tenant_id else [])
+    served = request.app.state.settings.served_model_name
+    names = ["base"] + ([served] if served else []) + \
+        (request.app.state.store.profile_names(tenant_id) if tenant_id else [])
     return {"object": "list", "data": [_model(n) for n in names]}
 
 
 @router.get("/v1/models/{model_id}")
 def model(model_id: str, request: Request, tenant_id: str | None = Depends(optional_tenant)):
     """One model: `base`, or one of the tenant's profiles (404 otherwise)."""
-    if model_id == "base" or (tenant_id and model_id in request.app.state.store.profile_names(tenant_id)):
+    if model_id in ("base", request.app.state.settings.served_model_name) or \
+            (tenant_id and model_id in request.app.state.store.profile_names(tenant_id)):
         return _model(model_id)
     raise HTTPException(404, f"model {model_id!r} not found")

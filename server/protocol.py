@@ -246,3 +246,58 @@ class Ready(BaseModel):
     status: Literal["ready"] = "ready"
     model: str
     fingerprint: str
+
+
+class Version(BaseModel):
+    version: str
+    model: str
+    fingerprint: str
+    max_model_len: int
+
+
+class TextPart(ValidText):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"] = Field(description="Only text parts: images and audio are not supported.")
+    text: str = Field("", max_length=MAX_PROMPT_CHARS)
+
+
+class ChatMessage(ValidText):
+    """A chat turn as OpenAI clients send it: content as text, as a list of text parts, or null (an assistant
+    turn that only called tools; `tool_calls` and other fields are accepted and not used)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: str = Field(max_length=100)
+    content: str | list[TextPart] | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class TokenizeRequest(ValidText):
+    model_config = ConfigDict(extra="ignore")  # vLLM's clients send `model` too
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
+    add_special_tokens: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(ValidText):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int] = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

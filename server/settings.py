@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "heads" / "demo" / "assets" / "model"
@@ -38,3 +38,26 @@ class Settings(BaseSettings):
                                                  "callers together); more answer 429 with Retry-After.")
     head_cache_size: int = Field(64, gt=0, description="Heads kept in memory (least recently used go first).")
     adapter_cache_size: int = Field(16, gt=0, description="ASU adapters attached to the model at most.")
+    max_model_len: int | None = Field(None, gt=0, description="Prompt plus new tokens at most (default: the "
+                                                               "model's context length; never more).")
+    served_model_name: str | None = Field(None, min_length=1, max_length=200,
+                                          description="A name for the base model on the OpenAI routes, beside `base`.")
+    chat_template: FilePath | None = Field(None, description="A Jinja chat template file, used instead of the "
+                                                         "tokenizer's.")
+
+
+def read_config(path: Path) -> dict:
+    """Settings from a TOML or JSON file (`lethe serve --config FILE`): the same names as the flags and the
+    LETHE_* variables, with underscores (max_batch_size = 8)."""
+    import json
+    import tomllib
+
+    text = Path(path).read_text()
+    try:
+        values = json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: not valid {'JSON' if Path(path).suffix == '.json' else 'TOML'}: {e}") from None
+    unknown = set(values) - set(Settings.model_fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings: {', '.join(sorted(unknown))}")
+    return values
