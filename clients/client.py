@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter
 
-from server.protocol import ASUOut, DatasetOut, GenerateResponse, HeadOut, JobOut, ProfileOut, TenantOut
+from server.protocol import (ASUOut, DatasetOut, GenerateResponse, HeadOut, JobOut, KeyInfo, ProfileOut, TenantInfo,
+                             TenantOut)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -211,6 +212,22 @@ class _Calls:
 
     def create_key(self, tenant: str) -> TenantOut:
         return self._call("POST", f"/admin/tenants/{tenant}/keys", TenantOut)
+
+    def list_tenants(self) -> list[TenantInfo]:
+        return self._call("GET", "/admin/tenants", list[TenantInfo])
+
+    def list_keys(self, tenant: str) -> list[KeyInfo]:
+        return self._call("GET", f"/admin/tenants/{tenant}/keys", list[KeyInfo])
+
+    def revoke_key(self, tenant: str, key_id: str):
+        return self._call("DELETE", f"/admin/tenants/{tenant}/keys/{key_id}")
+
+    def rotate_key(self, tenant: str, key_id: str) -> TenantOut:
+        return self._call("POST", f"/admin/tenants/{tenant}/keys/{key_id}/rotate", TenantOut)
+
+    def delete_tenant(self, tenant: str):
+        """Delete a tenant with all its data (409 while one of its jobs is queued or running)."""
+        return self._call("DELETE", f"/admin/tenants/{tenant}")
 
 
 def _parse(response: httpx.Response, model):

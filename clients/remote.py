@@ -148,7 +148,12 @@ def generate(client: Lethe, args):
 
 
 def tenants(client: Lethe, args):
-    return client.create_tenant(args.name) if args.action == "create" else client.create_key(args.name)
+    actions = {"create": lambda: client.create_tenant(args.name), "key": lambda: client.create_key(args.name),
+               "list": client.list_tenants, "keys": lambda: client.list_keys(args.name),
+               "revoke": lambda: client.revoke_key(args.name, args.key_id),
+               "rotate": lambda: client.rotate_key(args.name, args.key_id),
+               "delete": lambda: client.delete_tenant(args.name)}
+    return actions[args.action]()
 
 
 def evaluate(client: Lethe, args):

@@ -53,5 +53,9 @@ def tenant(request: Request) -> str:
 def admin(request: Request) -> None:
     expected = request.app.state.settings.admin_key
     key = bearer(request) or ""
-    if not expected or not hmac.compare_digest(key.encode(), expected.encode()):
-        raise HTTPException(403, "admin key required")
+    if not expected:
+        raise HTTPException(403, "admin key required, and this server has none: start it with LETHE_ADMIN_KEY set "
+                                 "(the admin endpoints are off without one)")
+    if not hmac.compare_digest(key.encode(), expected.encode()):
+        raise HTTPException(403, "admin key required: send the server's LETHE_ADMIN_KEY as the bearer key "
+                                 "(lethe --key, or $LETHE_KEY)")

@@ -238,6 +238,20 @@ class TenantOut(BaseModel):
     api_key: str = Field(description="Shown once; only its hash is stored.")
 
 
+class TenantInfo(BaseModel):
+    id: str
+    name: str
+    created: float
+    keys: int
+
+
+class KeyInfo(BaseModel):
+    id: str
+    prefix: str | None = Field(description="The key's first characters (None for keys made before release 0.2).")
+    created: float
+    last_used: float | None = Field(description="To the minute; None if never used.")
+
+
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
 

@@ -17,7 +17,8 @@ from server.generation import field_error
 from server.jobs import TERMINAL
 from server.profiles import ProfileError, complete_spec
 from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, HeadJobRequest, HeadOut, JobOut,
-                             ProfileOut, ProfileSpec, TenantOut, TenantRequest, profile_name_problem)
+                             KeyInfo, ProfileOut, ProfileSpec, TenantInfo, TenantOut, TenantRequest,
+                             profile_name_problem)
 from server.storage import new_id
 
 router = APIRouter()
@@ -457,12 +458,68 @@ def create_tenant(body: TenantRequest, request: Request) -> TenantOut:
     return TenantOut(id=tenant_id, name=body.name, api_key=key)
 
 
+def _tenant_named(request: Request, name: str) -> str:
+    tenant_id = request.app.state.store.tenant_by_name(name)
+    if tenant_id is None:
+        raise not_found("tenant", name)
+    return tenant_id
+
+
 @router.post("/admin/tenants/{name}/keys", response_model=TenantOut, status_code=201, tags=["admin"],
              dependencies=[Depends(admin)])
 def create_key(name: str, request: Request) -> TenantOut:
     """Admin: a further API key for a tenant."""
-    store = request.app.state.store
-    tenant_id = store.tenant_by_name(name)
-    if tenant_id is None:
-        raise not_found("tenant", name)
-    return TenantOut(id=tenant_id, name=name, api_key=store.add_key(tenant_id))
+    tenant_id = _tenant_named(request, name)
+    return TenantOut(id=tenant_id, name=name, api_key=request.app.state.store.add_key(tenant_id))
+
+
+@router.get("/admin/tenants", response_model=list[TenantInfo], tags=["admin"], dependencies=[Depends(admin)])
+def list_tenants(request: Request) -> list[TenantInfo]:
+    """Admin: every tenant, with its number of keys."""
+    return [TenantInfo(**t) for t in request.app.state.store.tenants()]
+
+
+@router.get("/admin/tenants/{name}/keys", response_model=list[KeyInfo], tags=["admin"],
+            dependencies=[Depends(admin)])
+def list_keys(name: str, request: Request) -> list[KeyInfo]:
+    """Admin: a tenant's keys: id, first characters, created, last used (never the key itself)."""
+    return [KeyInfo(**k) for k in request.app.state.store.keys(_tenant_named(request, name))]
+
+
+@router.delete("/admin/tenants/{name}/keys/{key_id}", status_code=204, tags=["admin"], dependencies=[Depends(admin)])
+def revoke_key(name: str, key_id: str, request: Request):
+    """Admin: revoke a key; requests with it are 401 from now on (requests already admitted finish)."""
+    if not request.app.state.store.revoke_key(_tenant_named(request, name), key_id):
+        raise not_found("key", key_id)
+    return Response(status_code=204)
+
+
+@router.post("/admin/tenants/{name}/keys/{key_id}/rotate", response_model=TenantOut, status_code=201,
+             tags=["admin"], dependencies=[Depends(admin)])
+def rotate_key(name: str, key_id: str, request: Request) -> TenantOut:
+    """Admin: a new key in place of `key_id` (shown once); the old one stops working at once."""
+    tenant_id = _tenant_named(request, name)
+    key = request.app.state.store.rotate_key(tenant_id, key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    return TenantOut(id=tenant_id, name=name, api_key=key)
+
+
+@router.delete("/admin/tenants/{name}", status_code=204, tags=["admin"], dependencies=[Depends(admin)])
+def delete_tenant(name: str, request: Request):
+    """Admin: delete a tenant with all its data: keys, profiles, datasets, heads, ASU weights, jobs and their
+    files (409 while one of its jobs is queued or running: cancel them first)."""
+    store, tenant_id = request.app.state.store, _tenant_named(request, name)
+    heads = [h["id"] for h in store.list("heads", tenant_id)]
+    weights = [w["id"] for w in store.list("asu_weights", tenant_id)]
+    try:
+        files = store.delete_tenant(tenant_id)
+    except ValueError as e:
+        raise HTTPException(409, str(e)) from None
+    for head_id in heads:
+        request.app.state.heads.drop(head_id)
+    for weights_id in weights:  # detached now, or when the last request using them ends
+        request.app.state.adapters.drop(weights_id)
+    for path in files:
+        path.unlink(missing_ok=True)
+    return Response(status_code=204)

@@ -52,6 +52,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:16]}"
 
 
+def _new_key(tenant_id: str, now: float) -> tuple[str, tuple[str, tuple]]:
+    """A new API key and the statement that stores it: hashed, with a public id and its first characters."""
+    key = KEY_PREFIX + secrets.token_urlsafe(24)
+    return key, ("INSERT INTO api_keys (hash, tenant_id, created, id, prefix, last_used) VALUES (?, ?, ?, ?, ?, NULL)",
+                 (hash_key(key), tenant_id, now, new_id("key"), key[:7]))
+
+
 class Store:
     """Thread-safe access to the metadata database; one connection, serialised by a lock."""
 
@@ -64,7 +71,20 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        self._migrate()
         self._lock = threading.RLock()
+        self._touched: dict[str, float] = {}  # key hash -> when last_used was last written (at most once a minute)
+
+    def _migrate(self) -> None:
+        """Bring a database made by an earlier release up to this one, in place (columns added, values filled)."""
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(api_keys)")}
+        if "id" not in columns:  # keys gained a public id, a shown prefix and a last-used time
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("ALTER TABLE api_keys ADD COLUMN id TEXT")
+            self._db.execute("ALTER TABLE api_keys ADD COLUMN prefix TEXT")
+            self._db.execute("ALTER TABLE api_keys ADD COLUMN last_used REAL")
+            self._db.execute("UPDATE api_keys SET id = 'key_' || substr(hash, 1, 16) WHERE id IS NULL")
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -89,20 +109,70 @@ class Store:
     # tenants and keys
     def create_tenant(self, name: str) -> tuple[str, str]:
         """A new tenant and its first API key: (tenant id, key). The key is stored hashed only."""
-        tenant_id, key = new_id("ten"), KEY_PREFIX + secrets.token_urlsafe(24)
-        now = time.time()
-        self.tx([("INSERT INTO tenants VALUES (?, ?, ?)", (tenant_id, name, now)),
-                 ("INSERT INTO api_keys VALUES (?, ?, ?)", (hash_key(key), tenant_id, now))])
+        tenant_id, now = new_id("ten"), time.time()
+        key, insert = _new_key(tenant_id, now)
+        self.tx([("INSERT INTO tenants VALUES (?, ?, ?)", (tenant_id, name, now)), insert])
         return tenant_id, key
 
     def add_key(self, tenant_id: str) -> str:
-        key = KEY_PREFIX + secrets.token_urlsafe(24)
-        self.tx([("INSERT INTO api_keys VALUES (?, ?, ?)", (hash_key(key), tenant_id, time.time()))])
+        key, insert = _new_key(tenant_id, time.time())
+        self.tx([insert])
         return key
 
     def tenant_for_key(self, key: str) -> str | None:
-        rows = self.q("SELECT tenant_id FROM api_keys WHERE hash = ?", hash_key(key))
-        return rows[0]["tenant_id"] if rows else None
+        digest = hash_key(key)
+        rows = self.q("SELECT tenant_id FROM api_keys WHERE hash = ?", digest)
+        if not rows:
+            return None
+        now = time.time()
+        if now - self._touched.get(digest, 0.0) > 60:  # last_used to the minute: no write on every request
+            self._touched[digest] = now
+            self.tx([("UPDATE api_keys SET last_used = ? WHERE hash = ?", (now, digest))])
+        return rows[0]["tenant_id"]
+
+    def tenants(self) -> list[dict]:
+        return [dict(r) for r in self.q(
+            "SELECT t.id, t.name, t.created, (SELECT count(*) FROM api_keys k WHERE k.tenant_id = t.id) AS keys "
+            "FROM tenants t ORDER BY t.created")]
+
+    def keys(self, tenant_id: str) -> list[dict]:
+        """A tenant's keys as an operator sees them: id, the key's first characters, created, last used."""
+        return [dict(r) for r in self.q("SELECT id, prefix, created, last_used FROM api_keys WHERE tenant_id = ? "
+                                        "ORDER BY created", tenant_id)]
+
+    def revoke_key(self, tenant_id: str, key_id: str) -> bool:
+        with self._lock:
+            found = self.q("SELECT hash FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
+            if found:
+                self.tx([("DELETE FROM api_keys WHERE hash = ?", (found[0]["hash"],))])
+            return bool(found)
+
+    def rotate_key(self, tenant_id: str, key_id: str) -> str | None:
+        """A new key in place of `key_id`, in one transaction (the old one stops working as the new one starts)."""
+        with self._lock:
+            found = self.q("SELECT hash FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
+            if not found:
+                return None
+            key, insert = _new_key(tenant_id, time.time())
+            self.tx([("DELETE FROM api_keys WHERE hash = ?", (found[0]["hash"],)), insert])
+            return key
+
+    def delete_tenant(self, tenant_id: str) -> list[Path]:
+        """Delete a tenant's rows, keys included, in one transaction; returns the files to remove (the caller
+        removes them after). Refused (ValueError) while one of its jobs is queued or running."""
+        with self._lock:
+            active = self.q("SELECT id FROM jobs WHERE tenant_id = ? AND status IN ('queued', 'running')", tenant_id)
+            if active:
+                raise ValueError(f"jobs {', '.join(r['id'] for r in active)} are queued or running: cancel them first")
+            files = [self.dataset_path(r["id"]) for r in self.q("SELECT id FROM datasets WHERE tenant_id = ?",
+                                                                 tenant_id)]
+            files += [self.head_path(r["id"]) for r in self.q("SELECT id FROM heads WHERE tenant_id = ?", tenant_id)]
+            files += [self.asu_path(r["id"]) for r in self.q("SELECT id FROM asu_weights WHERE tenant_id = ?",
+                                                             tenant_id)]
+            self.tx([(f"DELETE FROM {table} WHERE tenant_id = ?", (tenant_id,))
+                     for table in ("profiles", "profile_versions", *TABLES, "api_keys")]
+                    + [("DELETE FROM tenants WHERE id = ?", (tenant_id,))])
+            return files
 
     def tenant_by_name(self, name: str) -> str | None:
         rows = self.q("SELECT id FROM tenants WHERE name = ?", name)
