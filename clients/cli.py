@@ -58,7 +58,7 @@ def cmd_serve(args) -> int:
     from pydantic import ValidationError
 
     from heads.modelio import load_model
-    from server.app import create_app
+    from server.app import create_app, use_chat_template
     from server.settings import Settings, read_config
 
     flags = {"model": args.model, "host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
@@ -70,10 +70,13 @@ def cmd_serve(args) -> int:
     try:
         settings = Settings(**values)
     except ValidationError as e:
-        raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+        raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
+                                   for err in e.errors())) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     lm = load_model(settings.model, settings.device, settings.dtype)
+    if settings.chat_template is not None:  # a template that does not render fails here, before any key is made
+        use_chat_template(lm.tokenizer, settings.chat_template)
     print(f"lethe: serving {settings.model} on http://{settings.host}:{settings.port} "
           f"(data in {settings.data_dir.resolve()})", flush=True)
     config = uvicorn.Config(create_app(settings, lm), host=settings.host, port=settings.port, log_level="info")

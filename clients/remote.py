@@ -29,14 +29,15 @@ def _print(value, field: str | None = None) -> None:
     print(data[field] if isinstance(data[field], str) else json.dumps(data[field]))
 
 
-def _dataset_id(client: Lethe, value: str) -> str:
-    """A dataset id as it is, or a local JSON Lines file uploaded first."""
-    path = Path(value)
-    if path.is_file():
-        return client.upload_dataset(path).id
-    if not value.startswith("ds_"):  # Lethe's dataset ids start with ds_: this was meant as a file
-        raise FileNotFoundError(f"{value}: no such file (and not a dataset id, which starts with ds_)")
-    return value
+def _dataset_ids(client: Lethe, args) -> tuple[str, str]:
+    """--forget and --retain as dataset ids: an id as it is, a local JSON Lines file uploaded. Both are checked
+    before anything is uploaded, so a mistyped second name leaves no orphan dataset on the server."""
+    values = (str(args.forget), str(args.retain))
+    for value in values:
+        if not Path(value).is_file() and not value.startswith("ds_"):  # Lethe's dataset ids start with ds_
+            raise FileNotFoundError(f"{value}: no such file (and not a dataset id, which starts with ds_)")
+    forget, retain = (client.upload_dataset(Path(v)).id if Path(v).is_file() else v for v in values)
+    return forget, retain
 
 
 def _progress_bar(enabled: bool):
@@ -75,14 +76,14 @@ def datasets(client: Lethe, args):
 def heads_train(client: Lethe, args):
     options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "balance", "common_df", "seed", "format")}
     options["max_epochs"] = args.epochs
-    job = client.train_head(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)), **options)
+    job = client.train_head(*_dataset_ids(client, args), **options)
     return _run_job(client, job, args.wait, args.quiet)
 
 
 def asu_train(client: Lethe, args):
     options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
                                               "retain_weight", "lr", "steps", "seed", "format")}
-    job = client.train_asu(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
+    job = client.train_asu(*_dataset_ids(client, args),
                            **{k: v for k, v in options.items() if v is not None})
     return _run_job(client, job, args.wait, args.quiet)
 
@@ -157,7 +158,7 @@ def tenants(client: Lethe, args):
 
 
 def evaluate(client: Lethe, args):
-    job = client.evaluate(_dataset_id(client, str(args.forget)), _dataset_id(client, str(args.retain)),
+    job = client.evaluate(*_dataset_ids(client, args),
                           args.profile or "base", seeds=args.seeds, max_new_tokens=args.max_new_tokens,
                           format=args.format)
     return _run_job(client, job, args.wait, args.quiet)

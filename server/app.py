@@ -170,6 +170,18 @@ def clean_temporary_files(store: Store) -> int:
     return removed
 
 
+def use_chat_template(tokenizer, path: Path) -> None:
+    """Serve with the Jinja chat template in `path`, tried on a short chat first: a template that does not render
+    fails the start, naming the file, rather than every chat request."""
+    text = path.read_text()
+    previous, tokenizer.chat_template = tokenizer.chat_template, text
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2 raises several kinds
+        tokenizer.chat_template = previous
+        raise ValueError(f"chat template {path}: {type(e).__name__}: {e}") from None
+
+
 def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -184,7 +196,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
             _, key = store.create_tenant("demo")
             print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)
         if settings.chat_template is not None:  # before the engine copies the tokenizer
-            model.tokenizer.chat_template = Path(settings.chat_template).read_text()
+            use_chat_template(model.tokenizer, Path(settings.chat_template))
         app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics()
         app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics,
                                   settings.max_model_len)
@@ -273,7 +285,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         return Version(version=__version__, model=Path(str(engine.lm.path)).name, fingerprint=engine.lm.fingerprint,
                        max_model_len=engine.context_length)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, tags=["operations"])
+    @app.post("/tokenize", response_model=TokenizeResponse, tags=["operations"],
+              dependencies=[Depends(optional_tenant)])
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         """Token ids of a prompt (or of chat messages through the chat template), as vLLM's /tokenize."""
         engine: Engine = request.app.state.engine
@@ -282,7 +295,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
             tokens = engine.lm.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"]
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.context_length)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, tags=["operations"])
+    @app.post("/detokenize", response_model=DetokenizeResponse, tags=["operations"],
+              dependencies=[Depends(optional_tenant)])
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         """The text of token ids, as vLLM's /detokenize."""
         engine: Engine = request.app.state.engine

@@ -15,6 +15,7 @@ Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message",
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 
@@ -38,6 +39,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           429: "rate_limit_error"}
 
 
+_BRANCH = re.compile(r"str|int|float|bool|list|dict|none|.*\[.*")  # pydantic's names for a union's branches
+
+
 def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
@@ -47,8 +51,9 @@ def error_body(status: int, detail) -> tuple[int, dict]:
     one names the field, and the status becomes 400)."""
     param = None
     if isinstance(detail, list) and detail and isinstance(detail[0], dict):
-        first = detail[0]
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        # our own checks say more than a union's "not a string" for the branch that did not apply
+        first = next((d for d in detail if d.get("type") == "value_error"), detail[0])
+        loc = [str(x) for x in first.get("loc", []) if x != "body" and not _BRANCH.fullmatch(str(x))]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
         status = 400 if status == 422 else status
@@ -129,6 +134,12 @@ class CompletionRequest(OpenAIRequest):
             else list(self.prompt)
         if not items or len(items) > MAX_N:
             raise field_error("prompt", f"give 1 to {MAX_N} prompts", 400)
+        vocab = len(tokenizer)
+        for ids in (p for p in items if not isinstance(p, str)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise field_error("prompt", f"token {bad} is not in the vocabulary of {vocab}", 400)
+        # token ids become text and are tokenized again with the prompt (a known gap: the ids are not fed as given)
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in items]
         for text in texts:
             if not text or len(text) > MAX_PROMPT_CHARS:
@@ -150,8 +161,9 @@ def _asked(body: OpenAIRequest, request: Request) -> str | None:
 def _profile(resolved) -> tuple[dict, dict[str, str]]:
     """Which profile version answered: a response field (`lethe_profile`) and headers."""
     name = resolved.name or ("inline" if resolved.row is not None or resolved.adapter is not None else "base")
-    return ({"lethe_profile": {"name": resolved.name, "version": resolved.version}},
-            {"X-Lethe-Profile": name, "X-Lethe-Profile-Version": "" if resolved.version is None else str(resolved.version)})
+    headers = {"X-Lethe-Profile": name} | ({} if resolved.version is None
+                                           else {"X-Lethe-Profile-Version": str(resolved.version)})
+    return {"lethe_profile": {"name": resolved.name, "version": resolved.version}}, headers
 
 
 def _stream_end(body: OpenAIRequest, last: dict, usage: dict, envelope) -> list[dict]:
@@ -187,13 +199,30 @@ async def _choices(request: Request, tenant_id: str | None, body: OpenAIRequest,
                    default_max: int, fields: tuple[str, str]) -> tuple[list[tuple[int, str, Completion]], object]:
     """Every choice decoded (n per prompt, in one batch with everyone else's rows): (index, prompt, completion)
     in order, and the first choice's resolved profile (all resolve the same profile name)."""
+    queue = request.app.state.engine.queue.maxsize
+    if len(prompts) * body.n > queue:  # could never be admitted together: say so, not 429 for ever
+        raise field_error("n", f"{len(prompts) * body.n} choices exceed this server's queue of {queue} requests", 400)
+
     async def one(index: int, prompt: str, choice: int):
         params = body.sampling(default_max, choice)
         resolved, _ = await admit(request, tenant_id, prompt, params, _asked(body, request), fields)
         return resolved, (index, prompt, await complete(request, prompt, params, resolved))
 
-    done = await asyncio.gather(*(one(i * body.n + j, p, j) for i, p in enumerate(prompts) for j in range(body.n)))
+    tasks = [asyncio.ensure_future(one(i * body.n + j, p, j)) for i, p in enumerate(prompts) for j in range(body.n)]
+    try:
+        done = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # one choice failed (a full queue, say): the others stop too, their rows freed
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return [c for _, c in done], done[0][0]
+
+
+def _default_max(request: Request, prompt: str, default: int) -> int:
+    """New tokens for a request without max_tokens: `default`, or what the context leaves after the prompt."""
+    engine = request.app.state.engine
+    return max(1, min(default, engine.context_length - engine.count_tokens(prompt)))
 
 
 def _total_usage(completions: list[Completion]) -> dict:
@@ -208,10 +237,11 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
     prompts = body.prompts(request.app.state.engine.lm.tokenizer)
     body.checks(len(prompts) * body.n)
-    if body.logprobs:
+    if body.logprobs is not None:
         raise field_error("logprobs", "logprobs are not supported", 400)
     if body.suffix:
         raise field_error("suffix", "suffix is not supported by this server", 400)
+    default_max = 16 if body.max_tokens else _default_max(request, max(prompts, key=len), 16)
     rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def envelope(used: dict, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
@@ -221,7 +251,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         return out | ({"usage": usage} if usage else {})
 
     if body.stream:
-        params = body.sampling(16)
+        params = body.sampling(default_max)
         resolved, _ = await admit(request, tenant_id, prompts[0], params, _asked(body, request),
                                   ("prompt", "max_tokens"))
         used, headers = _profile(resolved)
@@ -236,7 +266,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                                                                   "logprobs": None, "finish_reason": c.finish_reason}),
                                             _usage(c),
                                             lambda choice, usage: envelope(used, choice, usage)), headers)
-    done, resolved = await _choices(request, tenant_id, body, prompts, 16, ("prompt", "max_tokens"))
+    done, resolved = await _choices(request, tenant_id, body, prompts, default_max, ("prompt", "max_tokens"))
     used, headers = _profile(resolved)
     response.headers.update(headers)
     return envelope(used, [{"index": i, "text": (p if body.echo else "") + c.text, "finish_reason": c.finish_reason,
@@ -250,9 +280,10 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     body.checks(body.n)
     if body.logprobs or body.top_logprobs:
         raise field_error("logprobs", "logprobs are not supported", 400)
-    if body.max_completion_tokens and not body.max_tokens:
+    if body.max_completion_tokens:  # OpenAI's newer name wins over the deprecated max_tokens, as in vLLM
         body.max_tokens = body.max_completion_tokens
     prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
+    default_max = 64 if body.max_tokens else _default_max(request, prompt, 64)
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def envelope(used: dict, obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
@@ -261,7 +292,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
         return out | ({"usage": usage} if usage else {})
 
     if body.stream:
-        params = body.sampling(64)
+        params = body.sampling(default_max)
         resolved, _ = await admit(request, tenant_id, prompt, params, _asked(body, request),
                                   ("messages", "max_tokens"))
         used, headers = _profile(resolved)
@@ -281,7 +312,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
                       lambda c: _stream_end(body, envelope(used, "chat.completion.chunk", {
                           "index": 0, "delta": {}, "finish_reason": c.finish_reason}), _usage(c),
                           lambda choice, usage: envelope(used, "chat.completion.chunk", choice, usage)), headers)
-    done, resolved = await _choices(request, tenant_id, body, [prompt], 64, ("messages", "max_tokens"))
+    done, resolved = await _choices(request, tenant_id, body, [prompt], default_max, ("messages", "max_tokens"))
     used, headers = _profile(resolved)
     response.headers.update(headers)
     return envelope(used, "chat.completion", [

@@ -271,8 +271,15 @@ class Version(BaseModel):
 
 class TextPart(ValidText):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"] = Field(description="Only text parts: images and audio are not supported.")
+    type: str = Field(max_length=100, description="Only `text`: images and audio are not supported.")
     text: str = Field("", max_length=MAX_PROMPT_CHARS)
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"content parts of type {value!r} are not supported: text only")
+        return value
 
 
 class ChatMessage(ValidText):
@@ -280,8 +287,14 @@ class ChatMessage(ValidText):
     turn that only called tools; `tool_calls` and other fields are accepted and not used)."""
 
     model_config = ConfigDict(extra="ignore")
-    role: str = Field(max_length=100)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    @model_validator(mode="after")
+    def _content_unless_a_tool_call(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (only an assistant turn may have none)")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

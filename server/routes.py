@@ -396,6 +396,9 @@ def _profile_out(store, tenant_id: str, name: str) -> ProfileOut:
 def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str = Depends(tenant)):
     """Create the profile, or replace it with a new version; requests admitted earlier keep theirs."""
     problem = profile_name_problem(name)
+    served = request.app.state.settings.served_model_name
+    if not problem and served is not None and name.lower() == served.lower():
+        problem = f"{name!r} is this server's name for the base model (--served-model-name)"
     if problem:
         raise HTTPException(422, detail=[{"loc": ["path", "name"], "msg": problem, "type": "value_error"}])
     store = request.app.state.store

@@ -52,11 +52,16 @@ def read_config(path: Path) -> dict:
     import json
     import tomllib
 
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
     try:
         values = json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"{path}: not valid {'JSON' if Path(path).suffix == '.json' else 'TOML'}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: must hold a table of settings (name = value), not a {type(values).__name__}")
     unknown = set(values) - set(Settings.model_fields)
     if unknown:
         raise ValueError(f"{path}: unknown settings: {', '.join(sorted(unknown))}")

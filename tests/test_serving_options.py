@@ -17,7 +17,7 @@ def served(tiny_model_dir, tmp_path_factory):
     template = folder / "template.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
     settings = Settings(model=tiny_model_dir, data_dir=folder / "data", max_model_len=40, served_model_name="tiny",
-                        chat_template=template)
+                        chat_template=template, max_queue=3, admin_key="adm")
     with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
         yield client
 
@@ -55,3 +55,46 @@ def test_a_config_file_is_read_and_checked(tmp_path):
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         read_config(tmp_path / "broken.json")
+
+
+def test_what_the_first_independent_test_found(served, tmp_path):
+    """Each case failed before its fix: a 500, a 429 for ever, a silent acceptance, a crash, or the wrong winner."""
+    from heads.t3.guide import TiltSettings
+    from server.app import use_chat_template
+
+    def completions(**body):
+        return served.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})
+
+    for ids in ([-1], [10**6]):  # was a 500 (-1) and a misleading message
+        r = completions(prompt=ids)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "vocabulary" in r.text, r.text
+    r = completions(prompt="Question: Who?\nAnswer:", n=4)  # more choices than the queue holds: was 429 for ever
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert len(completions(prompt="Question: Who?\nAnswer:", n=3, temperature=1, seed=1).json()["choices"]) == 3
+    assert completions(prompt="Question: Who?\nAnswer:", logprobs=0).status_code == 400
+
+    def chat(messages, **body):
+        return served.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4, "messages": messages,
+                                                         **body})
+
+    assert chat([{"role": "wizard", "content": "x"}]).status_code == 400
+    assert chat([{"role": "user", "content": None}]).status_code == 400
+    r = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"], r.text
+    r = chat([{"role": "user", "content": "hi"}], max_tokens=8, max_completion_tokens=2)
+    assert r.json()["usage"]["completion_tokens"] <= 2  # the newer name wins, as in vLLM
+    no_max = served.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert no_max.status_code == 200  # without max_tokens: what the 40-token context leaves, not a 400
+    key = served.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": "Bearer adm"}).json()["api_key"]
+    r = served.put("/v1/profiles/tiny", json={"backend": "base"}, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 422  # the served model name is the base model's, not a profile's
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match="broken.jinja"):
+        use_chat_template(served.app.state.engine.lm.tokenizer, broken)
+    assert served.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="table of settings"):
+        read_config(tmp_path / "list.json")
+    with pytest.raises(ValueError, match="abstain"):
+        TiltSettings(abstain="   ").replace()

@@ -77,8 +77,10 @@ class TiltSettings:
                 not (out.repeat_guard == 0 or 2 <= out.repeat_guard <= MAX_REPEAT_GUARD):
             raise ValueError(f"repeat_guard: must be 0 (off) or an n-gram size in [2, {MAX_REPEAT_GUARD}], "
                              f"got {out.repeat_guard!r}")
-        if out.abstain is not None and (not isinstance(out.abstain, str) or not 0 < len(out.abstain) <= MAX_REPLY):
-            raise ValueError(f"abstain: must be a reply of 1 to {MAX_REPLY} characters or null, got {out.abstain!r}")
+        if out.abstain is not None and (not isinstance(out.abstain, str) or not out.abstain.strip()
+                                        or len(out.abstain) > MAX_REPLY):
+            raise ValueError(f"abstain: must be a reply of 1 to {MAX_REPLY} characters (not only spaces) or null, "
+                             f"got {out.abstain!r}")
         if isinstance(out.abstain_above, bool) or not isinstance(out.abstain_above, (int, float)) or \
                 not 0.5 <= out.abstain_above < 1:
             raise ValueError(f"abstain_above: must be a probability in [0.5, 1), got {out.abstain_above!r}")
