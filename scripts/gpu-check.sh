@@ -39,15 +39,7 @@ if [ -n "${QUICK:-}" ]; then
 else
     real_args=(); t3_args=()
 fi
-# the speed bench's sets: the capitals to forget, the other fact kinds to keep (all subjects: speed only)
-"$PY" - "$OUT" <<'PYEOF'
-import json, sys
-from heads.evaluation.facts import KINDS, records
-for name, kinds in (("forget", [k for k in KINDS if k.name == "capital"]),
-                    ("retain", [k for k in KINDS if k.name != "capital"])):
-    recs = [r for k in kinds for r in records(k, list(k.items))]
-    open(f"{sys.argv[1]}/{name}.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in recs))
-PYEOF
-"$LETHE" bench t3 --forget "$OUT/forget.jsonl" --retain "$OUT/retain.jsonl" --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" "${t3_args[@]}" --out "$OUT/bench-t3.json"
+# the speed bench's sets: the capitals to forget, the other fact kinds to keep (heads/evaluation/facts.py, all subjects)
+"$LETHE" bench t3 --forget docs/real-sets/forget.jsonl --retain docs/real-sets/retain.jsonl --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" "${t3_args[@]}" --out "$OUT/bench-t3.json"
 "$LETHE" bench real --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" "${real_args[@]}" --out "$OUT/bench-real.json"
 echo "gpu-check: done; figures in $OUT"

@@ -68,3 +68,15 @@ def test_bench_heads_serves_every_tenant_its_own_head(tiny_model_dir, tmp_path):
     assert result["one_client"]["errors"] == [] and result["together"]["errors"] == []
     assert result["one_client"]["tokens"] > 0 and result["together"]["requests"] >= 3
     assert result["together_over_one"] > 0
+
+
+def test_the_speed_bench_sets_in_docs_are_the_facts_of_today():
+    """docs/real-sets (the README's and scripts/gpu-check.sh's `bench t3` sets) are what facts.py makes."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "docs" / "real-sets"
+    for name, kinds in (("forget", [k for k in KINDS if k.name == "capital"]),
+                        ("retain", [k for k in KINDS if k.name != "capital"])):
+        stored = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
+        assert stored == [r for k in kinds for r in records(k, list(k.items))]
