@@ -170,17 +170,15 @@ def _profile(args, lm):
     from heads.t3.guide import PRESETS, TiltSettings
     from heads.t3.head import load_head
 
+    given = {name: getattr(args, name) for name in TiltSettings.names()}  # every setting has its flag
     if args.head is None:
-        if any(v is not None for v in (args.preset, args.T, args.lam, args.gate, args.candidates, args.cap,
-                                       args.min_p, args.repeat_guard, args.abstain, args.abstain_above)):
-            raise ValueError("--preset, --T, --lam, --gate, --candidates, --cap, --min-p, --repeat-guard, --abstain and "
-                             "--abstain-above need --head")
+        if args.preset is not None or any(v is not None for v in given.values()):
+            flags = ["--preset"] + ["--" + name.replace("_", "-") for name in given]
+            raise ValueError(f"{', '.join(flags[:-1])} and {flags[-1]} need --head")
         return None, None
     head, info = load_head(args.head, lm.fingerprint, lm.model.config.vocab_size, lm.model.config.hidden_size)
     base = PRESETS[args.preset] if args.preset else TiltSettings.from_dict(info.profile)
-    settings = base.replace(T=args.T, lam=args.lam, gate=args.gate, candidates=args.candidates, cap=args.cap,
-                            min_p=args.min_p, repeat_guard=args.repeat_guard, abstain=args.abstain,
-                            abstain_above=args.abstain_above)
+    settings = base.replace(**given)
     return head, (settings.replace() if not args.no_cap else TiltSettings(**{**settings.as_dict(), "cap": None}))
 
 

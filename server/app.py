@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -23,7 +23,7 @@ from server import __version__
 from server import openai_api, routes
 from server.auth import optional_tenant
 from server.engine import Engine, QueueFull
-from server.generation import admit, complete, stream
+from server.generation import admit, check_token_ids, complete, stream
 from server.jobs import JobRunner
 from server.metrics import Metrics
 from server.profiles import AdapterCache, HeadCache
@@ -72,10 +72,18 @@ def _json_safe(value):
 UPLOAD_PATHS = ("/v1/datasets", "/v1/heads/upload", "/v1/asu/upload")
 
 
+def _error_body(path: str, status: int, detail) -> tuple[int, dict]:
+    """(status, body) of an error: `{"detail": ...}` on the native API; OpenAI's shape (and 400 for a bad field)
+    on its routes."""
+    if openai_api.is_openai_path(path):
+        return openai_api.error_body(status, detail)
+    return status, {"detail": detail}
+
+
 def _plain_error(status: int, message: str, path: str = "", headers: list | None = None):
-    """A JSON error sent before any route runs: `{"detail": ...}`, or OpenAI's shape on its routes."""
-    body = json.dumps(openai_api.error_body(status, message)[1] if openai_api.is_openai_path(path)
-                      else {"detail": message}).encode()
+    """A JSON error sent before any route runs."""
+    status, payload = _error_body(path, status, message)
+    body = json.dumps(payload).encode()
     start = {"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                          (b"connection", b"close")] + (headers or [])}
@@ -239,11 +247,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         return response
 
     def _error(request: Request, status: int, detail, headers=None) -> JSONResponse:
-        """`{"detail": ...}` on the native API; OpenAI's error shape (and 400 for a bad field) on its routes."""
-        if openai_api.is_openai_path(request.url.path):
-            status, body = openai_api.error_body(status, detail)
-            return JSONResponse(body, status_code=status, headers=headers)
-        return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+        status, body = _error_body(request.url.path, status, detail)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -300,11 +305,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         """The text of token ids, as vLLM's /detokenize."""
         engine: Engine = request.app.state.engine
-        vocab = len(engine.lm.tokenizer)
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HTTPException(422, detail=[{"loc": ["body", "tokens"], "msg": f"token {bad} is not in the "
-                                              f"vocabulary of {vocab}", "type": "value_error"}])
+        check_token_ids(engine.lm.tokenizer, body.tokens, "tokens", 422)
         with engine.tokenizer_lock:
             return DetokenizeResponse(prompt=engine.lm.tokenizer.decode(body.tokens))
 

@@ -23,6 +23,14 @@ def field_error(field: str, message: str, status: int = 422) -> HTTPException:
     return HTTPException(status, detail=[{"loc": ["body", field], "msg": message, "type": "value_error"}])
 
 
+def check_token_ids(tokenizer, ids: list[int], field: str, status: int) -> None:
+    """Token ids given by a caller must be the tokenizer's: anything else is an error naming `field`."""
+    vocab = len(tokenizer)
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise field_error(field, f"token {bad} is not in the vocabulary of {vocab}", status)
+
+
 async def admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
                 fields: tuple[str, str] = ("prompt", "max_new_tokens")) -> tuple[Resolved, int]:
     """Check the request against the limits and resolve its profile, pinning the version (and any adapter)

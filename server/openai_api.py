@@ -26,7 +26,7 @@ from heads.decoding.decode import Completion
 from heads.records import PROMPT_FORMAT
 from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K, SamplingParams
 from server.auth import optional_tenant
-from server.generation import admit, complete, field_error, stream
+from server.generation import admit, check_token_ids, complete, field_error, stream
 from server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
@@ -134,11 +134,8 @@ class CompletionRequest(OpenAIRequest):
             else list(self.prompt)
         if not items or len(items) > MAX_N:
             raise field_error("prompt", f"give 1 to {MAX_N} prompts", 400)
-        vocab = len(tokenizer)
         for ids in (p for p in items if not isinstance(p, str)):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise field_error("prompt", f"token {bad} is not in the vocabulary of {vocab}", 400)
+            check_token_ids(tokenizer, ids, "prompt", 400)
         # token ids become text and are tokenized again with the prompt (a known gap: the ids are not fed as given)
         texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in items]
         for text in texts:
@@ -166,16 +163,18 @@ def _profile(resolved) -> tuple[dict, dict[str, str]]:
     return {"lethe_profile": {"name": resolved.name, "version": resolved.version}}, headers
 
 
+def _envelope(head: dict, used: dict, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
+    """A response or stream chunk: `head` (id, object, created, model), the choices (one, a list, or none),
+    which profile answered, and usage when given."""
+    choices = choice if isinstance(choice, list) else [choice] if choice is not None else []
+    return {**head, "choices": choices, **used} | ({"usage": usage} if usage else {})
+
+
 def _stream_end(body: OpenAIRequest, last: dict, usage: dict, envelope) -> list[dict]:
     """The final chunk (finish reason), and with `stream_options.include_usage` OpenAI's usage chunk (no choices)."""
     if body.stream_options is not None and body.stream_options.include_usage:
         return [last, envelope(None, usage)]
     return [last]
-
-
-def _usage(c: Completion) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens}
 
 
 def chat_prompt(tokenizer, messages: list[Message]) -> str:
@@ -225,7 +224,7 @@ def _default_max(request: Request, prompt: str, default: int) -> int:
     return max(1, min(default, engine.context_length - engine.count_tokens(prompt)))
 
 
-def _total_usage(completions: list[Completion]) -> dict:
+def _usage(*completions: Completion) -> dict:
     prompt = sum(c.prompt_tokens for c in completions)
     generated = sum(c.completion_tokens for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
@@ -242,13 +241,11 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     if body.suffix:
         raise field_error("suffix", "suffix is not supported by this server", 400)
     default_max = 16 if body.max_tokens else _default_max(request, max(prompts, key=len), 16)
-    rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model}
 
     def envelope(used: dict, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
-        choices = choice if isinstance(choice, list) else [choice] if choice is not None else []
-        out = {"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": choices,
-               **used}
-        return out | ({"usage": usage} if usage else {})
+        return _envelope(head, used, choice, usage)
 
     if body.stream:
         params = body.sampling(default_max)
@@ -270,7 +267,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     used, headers = _profile(resolved)
     response.headers.update(headers)
     return envelope(used, [{"index": i, "text": (p if body.echo else "") + c.text, "finish_reason": c.finish_reason,
-                            "logprobs": None} for i, p, c in done], _total_usage([c for _, _, c in done]))
+                            "logprobs": None} for i, p, c in done], _usage(*(c for _, _, c in done)))
 
 
 @router.post("/v1/chat/completions")
@@ -287,9 +284,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def envelope(used: dict, obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
-        choices = choice if isinstance(choice, list) else [choice] if choice is not None else []
-        out = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, **used}
-        return out | ({"usage": usage} if usage else {})
+        return _envelope({"id": rid, "object": obj, "created": created, "model": body.model}, used, choice, usage)
 
     if body.stream:
         params = body.sampling(default_max)
@@ -317,7 +312,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     response.headers.update(headers)
     return envelope(used, "chat.completion", [
         {"index": i, "message": {"role": "assistant", "content": c.text.lstrip()}, "finish_reason": c.finish_reason}
-        for i, _, c in done], _total_usage([c for _, _, c in done]))
+        for i, _, c in done], _usage(*(c for _, _, c in done)))
 
 
 def _model(name: str) -> dict:

@@ -244,9 +244,16 @@ def _delete_trained(request: Request, tenant_id: str, table: str, item_id: str, 
     if users:
         raise HTTPException(409, f"{kind} {item_id!r} is used by {', '.join(users)}; change or delete them first")
     store.tx([(f"DELETE FROM {table} WHERE id = ?", (item_id,))])
+    _remove_trained(request, table, item_id)
+    return Response(status_code=204)
+
+
+def _remove_trained(request: Request, table: str, item_id: str) -> None:
+    """After its row is deleted: a head leaves the cache, ASU weights are detached (now, or when the last request
+    using them ends), and the file goes."""
+    store = request.app.state.store
     (request.app.state.heads if table == "heads" else request.app.state.adapters).drop(item_id)
     (store.head_path(item_id) if table == "heads" else store.asu_path(item_id)).unlink(missing_ok=True)
-    return Response(status_code=204)
 
 
 @router.delete("/v1/asu/{weights_id}", status_code=204, tags=["asu"])
@@ -513,16 +520,13 @@ def delete_tenant(name: str, request: Request):
     """Admin: delete a tenant with all its data: keys, profiles, datasets, heads, ASU weights, jobs and their
     files (409 while one of its jobs is queued or running: cancel them first)."""
     store, tenant_id = request.app.state.store, _tenant_named(request, name)
-    heads = [h["id"] for h in store.list("heads", tenant_id)]
-    weights = [w["id"] for w in store.list("asu_weights", tenant_id)]
     try:
-        files = store.delete_tenant(tenant_id)
+        owned = store.delete_tenant(tenant_id)
     except ValueError as e:
         raise HTTPException(409, str(e)) from None
-    for head_id in heads:
-        request.app.state.heads.drop(head_id)
-    for weights_id in weights:  # detached now, or when the last request using them ends
-        request.app.state.adapters.drop(weights_id)
-    for path in files:
-        path.unlink(missing_ok=True)
+    for table in ("heads", "asu_weights"):
+        for item_id in owned[table]:
+            _remove_trained(request, table, item_id)
+    for dataset_id in owned["datasets"]:
+        store.dataset_path(dataset_id).unlink(missing_ok=True)
     return Response(status_code=204)

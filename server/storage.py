@@ -140,39 +140,41 @@ class Store:
         return [dict(r) for r in self.q("SELECT id, prefix, created, last_used FROM api_keys WHERE tenant_id = ? "
                                         "ORDER BY created", tenant_id)]
 
+    def _key_hash(self, tenant_id: str, key_id: str) -> str | None:
+        found = self.q("SELECT hash FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
+        return found[0]["hash"] if found else None
+
     def revoke_key(self, tenant_id: str, key_id: str) -> bool:
         with self._lock:
-            found = self.q("SELECT hash FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
-            if found:
-                self.tx([("DELETE FROM api_keys WHERE hash = ?", (found[0]["hash"],))])
-            return bool(found)
+            digest = self._key_hash(tenant_id, key_id)
+            if digest is not None:
+                self.tx([("DELETE FROM api_keys WHERE hash = ?", (digest,))])
+            return digest is not None
 
     def rotate_key(self, tenant_id: str, key_id: str) -> str | None:
         """A new key in place of `key_id`, in one transaction (the old one stops working as the new one starts)."""
         with self._lock:
-            found = self.q("SELECT hash FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
-            if not found:
+            digest = self._key_hash(tenant_id, key_id)
+            if digest is None:
                 return None
             key, insert = _new_key(tenant_id, time.time())
-            self.tx([("DELETE FROM api_keys WHERE hash = ?", (found[0]["hash"],)), insert])
+            self.tx([("DELETE FROM api_keys WHERE hash = ?", (digest,)), insert])
             return key
 
-    def delete_tenant(self, tenant_id: str) -> list[Path]:
-        """Delete a tenant's rows, keys included, in one transaction; returns the files to remove (the caller
-        removes them after). Refused (ValueError) while one of its jobs is queued or running."""
+    def delete_tenant(self, tenant_id: str) -> dict[str, list[str]]:
+        """Delete a tenant's rows, keys included, in one transaction; returns the ids of its datasets, heads and
+        ASU weights (the caller removes their files and cached copies after). Refused (ValueError) while one of
+        its jobs is queued or running."""
         with self._lock:
             active = self.q("SELECT id FROM jobs WHERE tenant_id = ? AND status IN ('queued', 'running')", tenant_id)
             if active:
                 raise ValueError(f"jobs {', '.join(r['id'] for r in active)} are queued or running: cancel them first")
-            files = [self.dataset_path(r["id"]) for r in self.q("SELECT id FROM datasets WHERE tenant_id = ?",
-                                                                 tenant_id)]
-            files += [self.head_path(r["id"]) for r in self.q("SELECT id FROM heads WHERE tenant_id = ?", tenant_id)]
-            files += [self.asu_path(r["id"]) for r in self.q("SELECT id FROM asu_weights WHERE tenant_id = ?",
-                                                             tenant_id)]
+            owned = {table: [r["id"] for r in self.q(f"SELECT id FROM {table} WHERE tenant_id = ?", tenant_id)]
+                     for table in ("datasets", "heads", "asu_weights")}
             self.tx([(f"DELETE FROM {table} WHERE tenant_id = ?", (tenant_id,))
                      for table in ("profiles", "profile_versions", *TABLES, "api_keys")]
                     + [("DELETE FROM tenants WHERE id = ?", (tenant_id,))])
-            return files
+            return owned
 
     def tenant_by_name(self, name: str) -> str | None:
         rows = self.q("SELECT id FROM tenants WHERE name = ?", name)

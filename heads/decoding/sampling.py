@@ -68,6 +68,12 @@ def penalize(logits: torch.Tensor, answers: list[list[int]], presence: list[floa
     return logits
 
 
+def below_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """(B, V) mask of the tokens whose probability is below min_p (B,) times the row's best token's."""
+    logits = logits.float()
+    return logits < logits.amax(-1, keepdim=True) + torch.log(min_p[:, None])
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities after temperature, then top-k, then top-p (nucleus), then min-p; rows independent.
@@ -77,8 +83,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     """
     logits = logits.float() / temperature[:, None]
     if min_p is not None and bool((min_p > 0).any()):  # min-p: relative to the best token, whatever top-k/p keep
-        floor = logits.amax(-1, keepdim=True) + torch.log(min_p[:, None])
-        logits = logits.masked_fill(logits < floor, float("-inf"))
+        logits = logits.masked_fill(below_min_p(logits, min_p), float("-inf"))
     if bool((top_k <= 0).all()) and bool((top_p >= 1).all()):
         return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)

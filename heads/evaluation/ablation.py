@@ -60,16 +60,25 @@ def quality_table(lm, reference, forget: list[dict], retain: list[dict], cfg: Ev
     return rows
 
 
+def _header(columns) -> str:
+    return "| profile | " + " | ".join(c[2] for c in columns) + " |\n|---" + "|---:" * len(columns) + "|"
+
+
+def _row(label: str, report: dict, columns, short) -> str:
+    """One table line: each column's value from the report (`-` if absent), `short(key, value)` picking .3g."""
+    cells = []
+    for section, key, _ in columns:
+        v = (report.get(section) or {}).get(key) if section else report.get(key)
+        cells.append("-" if v is None else f"{v:.3g}" if short(key, v) else f"{v:.3f}")
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
 def markdown_header() -> str:
-    return "| profile | " + " | ".join(c[2] for c in COLUMNS) + " |\n|---" + "|---:" * len(COLUMNS) + "|"
+    return _header(COLUMNS)
 
 
 def markdown_row(label: str, report: dict) -> str:
-    cells = []
-    for section, key, _ in COLUMNS:
-        v = (report.get(section) or {}).get(key) if section else report.get(key)
-        cells.append("-" if v is None else (f"{v:.3g}" if key == "forget_quality" and v < 0.001 else f"{v:.3f}"))
-    return f"| {label} | " + " | ".join(cells) + " |"
+    return _row(label, report, COLUMNS, lambda key, v: key == "forget_quality" and v < 0.001)
 
 
 def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 16.0), cfg: EvalConfig | None = None,
@@ -119,12 +128,8 @@ ASU_COLUMNS = [("forget", "rouge", "forget ROUGE"), ("retain", "rouge", "retain 
 
 
 def asu_header() -> str:
-    return "| profile | " + " | ".join(c[2] for c in ASU_COLUMNS) + " |\n|---" + "|---:" * len(ASU_COLUMNS) + "|"
+    return _header(ASU_COLUMNS)
 
 
 def asu_row(label: str, report: dict) -> str:
-    cells = []
-    for section, key, _ in ASU_COLUMNS:
-        v = (report.get(section) or {}).get(key) if section else report.get(key)
-        cells.append("-" if v is None else f"{v:.3g}" if key in ("forget_quality", "training_seconds") else f"{v:.3f}")
-    return f"| {label} | " + " | ".join(cells) + " |"
+    return _row(label, report, ASU_COLUMNS, lambda key, v: key in ("forget_quality", "training_seconds"))

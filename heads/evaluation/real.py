@@ -118,12 +118,13 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
         log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
         asu = attach(lm.model, "bench_asu", tensors, asu_info)
         asu.set_adapter("bench_asu")
+    # each variant: (guide, whether the ASU adapter is on, its abstention reply)
     chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
                                    for name, over in cfg.variants.items()}
-    guides = {name: (HeadGuide.uniform(head, s), False) for name, s in chosen.items()}
+    variants = {name: (HeadGuide.uniform(head, s), False, s.abstain) for name, s in chosen.items()}
     if asu is not None:
-        chosen |= {"asu": settings, "asu+head": settings}
-        guides |= {"asu": (None, True), "asu+head": (guides["head"][0], True)}
+        variants |= {"asu": (None, True, settings.abstain),
+                     "asu+head": (variants["head"][0], True, settings.abstain)}
 
     # 3. the canonical and the held-out question of every known item
     def eval_set(kinds) -> list[dict]:
@@ -138,11 +139,11 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     rows, examples = [], {}
     try:
         for label, params in runs:
-            _decode_and_score(lm, label, params, sets, guides, chosen, asu, cfg, fmt, vocab, rows, examples, log)
+            _decode_and_score(lm, label, params, sets, variants, asu, cfg, fmt, vocab, rows, examples, log)
     finally:
         if asu is not None:
             asu.unload()  # the base model as it was
-    if len(guides) == 1:
+    if len(variants) == 1:
         examples = examples["head"]
     return {"model": str(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
             "known": {k: len(v) for k, v in known.items()}, "train_records": [len(forget_train), len(retain_train)],
@@ -152,18 +153,17 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
             "rows": rows, "examples": examples, "seconds": round(time.perf_counter() - started, 1)}
 
 
-def _decode_and_score(lm, label, params, sets, guides, chosen, asu, cfg, fmt, vocab, rows, examples, log) -> None:
+def _decode_and_score(lm, label, params, sets, variants, asu, cfg, fmt, vocab, rows, examples, log) -> None:
     """One decoding (greedy, or sampled with one seed): base answers once, then each variant's; a row each."""
     prompts = {name: [ask(r["question"], fmt, lm.tokenizer) for r in recs] for name, recs in sets.items()}
     base = {name: _generate(lm, prompts[name], params, None, cfg.batch_size, asu) for name in sets}
-    for variant, (guide, adapter) in guides.items():
-        row = {"decoding": label} | ({"variant": variant} if len(guides) > 1 else {})
+    for variant, (guide, adapter, reply) in variants.items():
+        row = {"decoding": label} | ({"variant": variant} if len(variants) > 1 else {})
         for name, recs in sets.items():
             tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size, asu, adapter)
             _score(row, name, recs, base[name], tilted, vocab)
-            if chosen[variant].abstain is not None:  # how often it abstained (on retain: false refusals)
-                reply = chosen[variant].abstain.strip()
-                row[f"{name}_abstained"] = round(statistics.fmean(t == reply for t in tilted), 4)
+            if reply is not None:  # how often it abstained (on retain: false refusals)
+                row[f"{name}_abstained"] = round(statistics.fmean(t == reply.strip() for t in tilted), 4)
             if label == "greedy":
                 examples.setdefault(variant, {})[name] = [
                     {"question": r["question"], "base": b, "head": t}

@@ -64,8 +64,6 @@ class TiltKernel:
         if self._out is None or self._out.shape != logits.shape:
             self._out = torch.empty(logits.shape, dtype=torch.float32)
             self._out_np = self._out.numpy()
-        if len(self.active) != logits.shape[0]:
-            self.active = np.ones(logits.shape[0], np.bool_)
         (_compiled or _kernel())(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
                                  self._out_np, self.active)
         return self._out
@@ -152,7 +150,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out,
             z[i] = zi
             log_sig = -math.log1p(math.exp(-zi)) if zi >= 0 else zi - math.log1p(math.exp(zi))
             scores[i] = vals[i] / temp + lam * log_sig if vals[i] >= floor else -np.inf
-            if not (zi < 0 and active) and scores[i] > best_free:
+            if not zi < 0 and scores[i] > best_free:
                 best_free = scores[i]
         for v in range(V):
             out[b, v] = -np.inf
@@ -161,6 +159,6 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out,
         limit = best_free - cap
         for i in range(kb):
             s = scores[i]
-            if capped and z[i] < 0 and active and s > limit:
+            if capped and z[i] < 0 and s > limit:
                 s = limit
             out[b, ids[i]] = s

@@ -43,7 +43,7 @@ class TiltSettings:
     @classmethod
     def from_dict(cls, values: dict) -> "TiltSettings":
         """Settings as stored (a head file's recommendation, a profile); missing keys take defaults."""
-        unknown = set(values) - set(asdict(TiltSettings()))
+        unknown = set(values) - set(cls.names())
         if unknown:
             raise ValueError(f"unknown profile settings: {', '.join(sorted(unknown))}")
         return cls(**{**asdict(TiltSettings()), **values}).replace()
@@ -51,7 +51,7 @@ class TiltSettings:
     def replace(self, **changes) -> "TiltSettings":
         """These settings with some fields changed (None values are ignored); checks the values."""
         merged = self.as_dict() | {k: v for k, v in changes.items() if v is not None}
-        unknown = set(merged) - set(asdict(TiltSettings()))
+        unknown = set(merged) - set(self.names())
         if unknown:
             raise ValueError(f"unknown profile settings: {', '.join(sorted(unknown))}")
         for name in ("T", "lam", "cap"):
@@ -260,6 +260,6 @@ class _Group:
         """Which of this group's rows the gate let in at the last call."""
         if self.fused is not None:
             return self.fused.active.tolist()
-        if self._active is None:
-            return [True] * (len(self.rows) if self.rows is not None else len(self.repeat_guard or []))
+        if self._active is None:  # no gate: every row (the guard's list has one entry per row)
+            return [True] * len(self.repeat_guard or [])
         return self._active.tolist()

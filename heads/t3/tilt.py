@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heads.decoding.sampling import below_min_p
+
 
 def guided_logits(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     """The reference T3 formula, row-wise: log_softmax(logits)/T + lam * logsigmoid(z)."""
@@ -70,9 +72,7 @@ def cap_flagged(guided: torch.Tensor, head_logits: torch.Tensor, margin: torch.T
 
 def floor_candidates(guided: torch.Tensor, logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop, per row, the tokens whose base probability is below min_p times the best token's (0: keep all)."""
-    logits = logits.float()
-    floor = logits.amax(-1, keepdim=True) + torch.log(min_p[:, None])
-    return guided.masked_fill(logits < floor, float("-inf"))
+    return guided.masked_fill(below_min_p(logits, min_p), float("-inf"))
 
 
 def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor,
@@ -122,8 +122,8 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
         T, lam = (None, lam * gate) if T is None else gated(T, lam, gate)
         active = gate > 0.5
     scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
-    if min_p is not None:
-        scores = scores.masked_fill(values < values[:, :1] + torch.log(min_p), float("-inf"))
+    if min_p is not None:  # the candidates' best is the row's best: the same floor as over the vocabulary
+        scores = scores.masked_fill(below_min_p(values, min_p[:, 0]), float("-inf"))
     if cap is None:
         return scores
     flagged = head_logits < 0 if active is None else (head_logits < 0) & active
