@@ -18,7 +18,7 @@ def _offline_defaults(p: argparse.ArgumentParser, **values) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from server.settings import DEMO_MODEL
+    from lethe.server.settings import DEMO_MODEL
 
     p.add_argument("--model", type=Path, default=None,
                    help="local Hugging Face causal-LM directory (offline; default: the embedded demo model)")
@@ -57,9 +57,9 @@ def cmd_serve(args) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from heads.modelio import load_model
-    from server.app import create_app, use_chat_template
-    from server.settings import Settings, read_config
+    from lethe.heads.modelio import load_model
+    from lethe.server.app import create_app, use_chat_template
+    from lethe.server.settings import Settings, read_config
 
     flags = {"model": args.model, "host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
              "data_dir": args.data_dir, "max_batch_size": args.max_batch_size, "max_queue": args.max_queue,
@@ -100,7 +100,7 @@ def _listen(host: str, port: int):
 
 
 def cmd_models_prepare(args) -> int:
-    from heads.modelio import prepare_gguf
+    from lethe.heads.modelio import prepare_gguf
 
     out = prepare_gguf(args.gguf, args.out, args.dtype)
     print(json.dumps({"prepared": str(out), "from": str(args.gguf), "dtype": args.dtype,
@@ -109,7 +109,7 @@ def cmd_models_prepare(args) -> int:
 
 
 def cmd_demo_corpus(args) -> int:
-    from heads.demo.corpus import make_corpus, split_by_author, write_jsonl
+    from lethe.heads.demo.corpus import make_corpus, split_by_author, write_jsonl
 
     records = make_corpus(args.authors, args.seed)
     forget, retain = split_by_author(records, args.forget_authors)
@@ -122,9 +122,9 @@ def cmd_demo_corpus(args) -> int:
 def cmd_demo_build(args) -> int:
     import torch
 
-    from heads.demo.build import BuildConfig, build
-    from heads.demo.corpus import make_corpus, split_by_author
-    from heads.records import examples, read_jsonl
+    from lethe.heads.demo.build import BuildConfig, build
+    from lethe.heads.demo.corpus import make_corpus, split_by_author
+    from lethe.heads.records import examples, read_jsonl
 
     records = read_jsonl(args.data) if args.data else make_corpus(args.authors, args.seed)
     if args.exclude_authors:
@@ -167,8 +167,8 @@ _PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "candidates", "cap", "no
 
 def _profile(args, lm):
     """(head, settings) from the command line; settings default to the head's recommended ones."""
-    from heads.t3.guide import PRESETS, TiltSettings
-    from heads.t3.head import load_head
+    from lethe.heads.t3.guide import PRESETS, TiltSettings
+    from lethe.heads.t3.head import load_head
 
     given = {name: getattr(args, name) for name in TiltSettings.names()}  # every setting has its flag
     if args.head is None:
@@ -188,17 +188,17 @@ def _with_asu(args, lm):
         return lm
     from dataclasses import replace
 
-    from heads.asu.weights import attach, load_asu
+    from lethe.heads.asu.weights import attach, load_asu
 
     tensors, info = load_asu(args.asu, lm.fingerprint)
     return replace(lm, model=attach(lm.model, "asu_cli", tensors, info))
 
 
 def cmd_generate(args) -> int:
-    from heads.decoding.decode import generate_chunked
-    from heads.t3.guide import HeadGuide
-    from heads.modelio import load_model
-    from heads.decoding.sampling import SamplingParams
+    from lethe.heads.decoding.decode import generate_chunked
+    from lethe.heads.t3.guide import HeadGuide
+    from lethe.heads.modelio import load_model
+    from lethe.heads.decoding.sampling import SamplingParams
 
     lm = load_model(args.model, args.device, args.dtype)
     head, settings = _profile(args, lm)
@@ -207,7 +207,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     if args.input:
-        from heads.records import read_jsonl
+        from lethe.heads.records import read_jsonl
 
         prompts = [r["prompt"] for r in read_jsonl(args.input, prompts_only=True)]
     elif args.prompt is not None:
@@ -217,7 +217,7 @@ def cmd_generate(args) -> int:
         return 2
     outs = generate_chunked(lm.model, lm.tokenizer, prompts, params, guide=guide)
     if args.output:
-        from heads.io import atomic_write_text
+        from lethe.heads.io import atomic_write_text
 
         atomic_write_text(args.output, "".join(json.dumps({"prompt": p, "text": o.text}) + "\n"
                                                for p, o in zip(prompts, outs)))
@@ -229,8 +229,8 @@ def cmd_generate(args) -> int:
 
 def _offline_inputs(args, command: str):
     """(model, forget records, retain records) for an offline training command that writes --out."""
-    from heads.modelio import load_model
-    from heads.records import read_jsonl
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import read_jsonl
 
     if args.out is None:
         raise UsageError(f"{command}: --out is required offline")
@@ -238,9 +238,9 @@ def _offline_inputs(args, command: str):
 
 
 def cmd_heads_train(args) -> int:
-    from heads.t3.head import save_head
-    from heads.t3.pipeline import train_head
-    from heads.t3.train import FitConfig
+    from lethe.heads.t3.head import save_head
+    from lethe.heads.t3.pipeline import train_head
+    from lethe.heads.t3.train import FitConfig
 
     lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
@@ -252,9 +252,9 @@ def cmd_heads_train(args) -> int:
 
 
 def cmd_heads_import(args) -> int:
-    from heads.t3.head import save_head
-    from heads.modelio import load_model
-    from heads.t3.reference import import_reference
+    from lethe.heads.t3.head import save_head
+    from lethe.heads.modelio import load_model
+    from lethe.heads.t3.reference import import_reference
 
     lm = load_model(args.model, args.device, args.dtype)
     cfg = lm.model.config
@@ -266,10 +266,10 @@ def cmd_heads_import(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from heads.evaluation.evaluate import EvalConfig, Profile, evaluate, plot_reports
-    from heads.io import atomic_write_text
-    from heads.modelio import load_model
-    from heads.records import read_jsonl
+    from lethe.heads.evaluation.evaluate import EvalConfig, Profile, evaluate, plot_reports
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import read_jsonl
 
     if args.out is None:
         raise UsageError("eval: --out is required offline")
@@ -296,10 +296,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench_t3(args) -> int:
-    from heads.evaluation.bench import bench_t3
-    from heads.modelio import load_model
-    from heads.records import read_jsonl
-    from heads.t3.pipeline import train_head
+    from lethe.heads.evaluation.bench import bench_t3
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import read_jsonl
+    from lethe.heads.t3.pipeline import train_head
 
     lm = load_model(args.model, args.device, args.dtype)
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
@@ -307,7 +307,7 @@ def cmd_bench_t3(args) -> int:
     if head is None and not args.random_model:
         head, _ = train_head(lm, forget, retain, progress=False)
     if args.random_model:
-        from heads.evaluation.bench import random_model
+        from lethe.heads.evaluation.bench import random_model
 
         result = {"models": []}
         for hidden, layers in args.random_model:
@@ -322,7 +322,7 @@ def cmd_bench_t3(args) -> int:
         if args.asu:  # decode the same base with the adapter attached (a copy, so the no-adapter runs stay plain)
             import copy
 
-            from heads.asu.weights import attach, load_asu
+            from lethe.heads.asu.weights import attach, load_asu
 
             tensors, info = load_asu(args.asu, lm.fingerprint)
             asu_model = attach(copy.deepcopy(lm.model), "asu_bench", tensors, info)
@@ -334,7 +334,7 @@ def cmd_bench_t3(args) -> int:
               f"= {t['lethe_total_s']:.2f} s; one reference epoch {t['reference_epoch_s']:.2f} s, "
               f"100 epochs {t['reference_100_epochs_s']:.0f} s ({t['reference_over_lethe']:.0f}x Lethe)")
     if args.out:
-        from heads.io import atomic_write_text
+        from lethe.heads.io import atomic_write_text
 
         atomic_write_text(args.out, json.dumps(result, indent=2))
     return 0
@@ -368,9 +368,9 @@ def _print_bench_decode(rows: list[dict]) -> None:
 
 def _table_run(args, header, row, make_rows) -> list:
     """Load the model, its reference and the sets; print a markdown table row by row; write JSON and .md."""
-    from heads.io import atomic_write_text
-    from heads.modelio import load_model
-    from heads.records import read_jsonl
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import read_jsonl
 
     lm = load_model(args.model, args.device, args.dtype)
     reference = load_model(args.reference_model, args.device, args.dtype)
@@ -384,8 +384,8 @@ def _table_run(args, header, row, make_rows) -> list:
 
 
 def cmd_bench_quality(args) -> int:
-    from heads.evaluation.ablation import markdown_header, markdown_row, quality_table
-    from heads.evaluation.evaluate import EvalConfig, plot_reports
+    from lethe.heads.evaluation.ablation import markdown_header, markdown_row, quality_table
+    from lethe.heads.evaluation.evaluate import EvalConfig, plot_reports
 
     rows = _table_run(args, markdown_header, markdown_row, lambda lm, ref, f, r, log: quality_table(
         lm, ref, f, r, EvalConfig(seeds=tuple(args.seeds)), log=log))
@@ -395,8 +395,8 @@ def cmd_bench_quality(args) -> int:
 
 
 def cmd_asu_train(args) -> int:
-    from heads.asu.distill import ASUConfig, train_asu
-    from heads.asu.weights import save_asu
+    from lethe.heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.weights import save_asu
 
     lm, forget, retain = _offline_inputs(args, "asu train")
     cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
@@ -429,10 +429,10 @@ def _named_json(text: str) -> tuple[str, dict]:
 
 
 def cmd_bench_real(args) -> int:
-    from heads.evaluation.real import RealBenchConfig, markdown, run
-    from heads.io import atomic_write_text
-    from heads.modelio import load_model
-    from heads.t3.train import FitConfig
+    from lethe.heads.evaluation.real import RealBenchConfig, markdown, run
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.heads.t3.train import FitConfig
 
     lm = load_model(args.model, args.device, args.dtype)
     cfg = RealBenchConfig(forget=args.forget, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
@@ -449,8 +449,8 @@ def cmd_bench_real(args) -> int:
 
 
 def cmd_bench_asu(args) -> int:
-    from heads.evaluation.ablation import asu_header, asu_row, asu_table
-    from heads.evaluation.evaluate import EvalConfig
+    from lethe.heads.evaluation.ablation import asu_header, asu_row, asu_table
+    from lethe.heads.evaluation.evaluate import EvalConfig
 
     _table_run(args, asu_header, asu_row, lambda lm, ref, f, r, log: asu_table(
         lm, ref, f, r, tuple(args.tau), EvalConfig(seeds=()), log=log))
@@ -458,7 +458,7 @@ def cmd_bench_asu(args) -> int:
 
 
 def cmd_openapi(args) -> int:
-    from server.openapi_doc import main as render
+    from lethe.server.openapi_doc import main as render
 
     print(render(args.markdown), end="" if args.markdown else "\n")
     return 0
@@ -474,9 +474,9 @@ def _own_server(args, **settings):
     import httpx
     import uvicorn
 
-    from heads.modelio import load_model
-    from server.app import create_app
-    from server.settings import Settings
+    from lethe.heads.modelio import load_model
+    from lethe.server.app import create_app
+    from lethe.server.settings import Settings
 
     @contextmanager
     def running():
@@ -505,7 +505,7 @@ def _own_server(args, **settings):
 
 
 def cmd_bench_soak(args) -> int:
-    from server.soak import soak
+    from lethe.server.soak import soak
 
     def run(url: str) -> dict:
         return soak(url, args.key, clients=args.clients, duration=args.duration, max_new_tokens=args.max_new_tokens)
@@ -522,7 +522,7 @@ def cmd_bench_soak(args) -> int:
 def cmd_bench_heads(args) -> int:
     import secrets
 
-    from server.multihead import bench_heads
+    from lethe.server.multihead import bench_heads
 
     admin = secrets.token_urlsafe(16)
     with _own_server(args, admin_key=admin, demo_tenant=False) as (url, lm):
@@ -534,7 +534,7 @@ def cmd_bench_heads(args) -> int:
 
 def _add_resource_commands(group, kind: str, label: str) -> None:
     """`list`, `get ID` and `delete ID` for one kind of server resource (they need --url)."""
-    from clients import remote
+    from lethe.clients import remote
 
     for action in ("list", "get", "delete"):
         q = group.add_parser(action, help=f"{action} the server's {label} (needs --url)")
@@ -544,7 +544,7 @@ def _add_resource_commands(group, kind: str, label: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clients import remote
+    from lethe.clients import remote
 
     parser = argparse.ArgumentParser(
         prog="lethe", description="Lethe: inference-time unlearning server.",
@@ -957,10 +957,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
 
-    from clients.client import Lethe, LetheConnectionError, LetheError
-    from clients.remote import _print
-    from heads.modelio import ModelLoadError
-    from heads.records import RecordError
+    from lethe.clients.client import Lethe, LetheConnectionError, LetheError
+    from lethe.clients.remote import _print
+    from lethe.heads.modelio import ModelLoadError
+    from lethe.heads.records import RecordError
 
     args = build_parser().parse_args(argv)
     env_url = os.environ.get("LETHE_URL") or None

@@ -3,7 +3,7 @@
 Every endpoint is one method; responses are parsed into the server's own pydantic models
 (`server.protocol`). A server error raises `LetheError` with the status and the server's message.
 
-    from clients.client import Lethe
+    from lethe.clients.client import Lethe
     lethe = Lethe("http://localhost:8000", key="lk_...")
     forget = lethe.upload_dataset("forget.jsonl")
     job = lethe.wait(lethe.train_head(forget.id, retain.id), on_progress=print)
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from pydantic import TypeAdapter
 
-from server.protocol import (ASUOut, DatasetOut, GenerateResponse, HeadOut, JobOut, KeyInfo, ProfileOut, TenantInfo,
+from lethe.server.protocol import (ASUOut, DatasetOut, GenerateResponse, HeadOut, JobOut, KeyInfo, ProfileOut, TenantInfo,
                              TenantOut)
 
 TERMINAL = ("succeeded", "failed", "cancelled")

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from clients.client import Lethe
+from lethe.clients.client import Lethe
 
 
 def _print(value, field: str | None = None) -> None:
@@ -130,7 +130,7 @@ def generate(client: Lethe, args):
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop or None)
     if args.prompt is None:
-        from clients.cli import UsageError
+        from lethe.clients.cli import UsageError
 
         raise UsageError("generate: give a PROMPT (on the server, --input is not supported)")
     if args.stream:

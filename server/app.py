@@ -18,20 +18,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from heads.modelio import LoadedModel, load_model
-from server import __version__
-from server import openai_api, routes
-from server.auth import optional_tenant
-from server.engine import Engine, QueueFull
-from server.generation import admit, check_token_ids, complete, stream
-from server.jobs import JobRunner
-from server.metrics import Metrics
-from server.profiles import AdapterCache, HeadCache
-from server.quotas import QuotaExceeded, Quotas
-from server.protocol import (DetokenizeRequest, DetokenizeResponse, GenerateRequest, GenerateResponse, Health,
+from lethe.heads.modelio import LoadedModel, load_model
+from lethe.server import __version__
+from lethe.server import openai_api, routes
+from lethe.server.auth import optional_tenant
+from lethe.server.engine import Engine, QueueFull
+from lethe.server.generation import admit, check_token_ids, complete, stream
+from lethe.server.jobs import JobRunner
+from lethe.server.metrics import Metrics
+from lethe.server.profiles import AdapterCache, HeadCache
+from lethe.server.quotas import QuotaExceeded, Quotas
+from lethe.server.protocol import (DetokenizeRequest, DetokenizeResponse, GenerateRequest, GenerateResponse, Health,
                              ProfileUsed, Ready, TokenizeRequest, TokenizeResponse, Usage, Version)
-from server.settings import Settings
-from server.storage import Store
+from lethe.server.settings import Settings
+from lethe.server.storage import Store
 
 log = logging.getLogger("lethe")
 

@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import HTTPException, Request
 
-from server.storage import KEY_PREFIX
+from lethe.server.storage import KEY_PREFIX
 
 
 def bearer(request: Request) -> str | None:

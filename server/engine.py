@@ -22,11 +22,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from heads.decoding.decode import Batch, Completion
-from heads.t3.guide import HeadGuide, TiltSettings
-from heads.t3.head import T3Head
-from heads.modelio import LoadedModel
-from heads.decoding.sampling import SamplingParams
+from lethe.heads.decoding.decode import Batch, Completion
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.head import T3Head
+from lethe.heads.modelio import LoadedModel
+from lethe.heads.decoding.sampling import SamplingParams
 
 log = logging.getLogger("lethe.engine")
 
@@ -187,8 +187,8 @@ class Engine:
     def _run(self) -> None:
         """Continuous batching: new requests are prefilled and join the running batch between steps;
         finished rows leave it at once."""
-        from heads.decoding.repeats import word_classes
-        from heads.t3 import fused
+        from lethe.heads.decoding.repeats import word_classes
+        from lethe.heads.t3 import fused
 
         if fused.enabled() and self.lm.device.type == "cpu":
             fused.warm_up()  # the T3 head's CPU kernel: compiled before the first request that needs it

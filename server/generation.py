@@ -12,10 +12,10 @@ from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from heads.decoding.decode import Completion
-from heads.decoding.sampling import SamplingParams
-from server.engine import Engine, Pending
-from server.profiles import ProfileError, Resolved, resolve
+from lethe.heads.decoding.decode import Completion
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.server.engine import Engine, Pending
+from lethe.server.profiles import ProfileError, Resolved, resolve
 
 
 def field_error(field: str, message: str, status: int = 422) -> HTTPException:

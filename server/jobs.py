@@ -14,12 +14,12 @@ import queue
 import threading
 import time
 
-from heads.t3.head import save_head
-from heads.io import crash_point
-from heads.records import read_jsonl
-from heads.t3.pipeline import quick_check, train_head
-from heads.t3.train import FitConfig
-from server.storage import Store, new_id
+from lethe.heads.t3.head import save_head
+from lethe.heads.io import crash_point
+from lethe.heads.records import read_jsonl
+from lethe.heads.t3.pipeline import quick_check, train_head
+from lethe.heads.t3.train import FitConfig
+from lethe.server.storage import Store, new_id
 
 log = logging.getLogger("lethe.jobs")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -157,9 +157,9 @@ class JobRunner:
     def _evaluate(self, job: dict, cancel: threading.Event) -> None:
         from dataclasses import replace
 
-        from heads.asu.weights import attach, load_asu
-        from heads.evaluation.evaluate import EvalConfig, Profile, evaluate
-        from heads.t3.guide import TiltSettings
+        from lethe.heads.asu.weights import attach, load_asu
+        from lethe.heads.evaluation.evaluate import EvalConfig, Profile, evaluate
+        from lethe.heads.t3.guide import TiltSettings
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
@@ -204,8 +204,8 @@ class JobRunner:
                           info.__dict__, info.metrics)
 
     def _train_asu(self, job: dict, cancel: threading.Event) -> None:
-        from heads.asu.distill import ASUConfig, train_asu
-        from heads.asu.weights import save_asu
+        from lethe.heads.asu.distill import ASUConfig, train_asu
+        from lethe.heads.asu.weights import save_asu
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)

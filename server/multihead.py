@@ -64,7 +64,7 @@ def bench_heads(url: str, admin_key: str, lm, clients: int = 8, duration: float 
     """`lm`: the model the server serves (its sizes and fingerprint make the heads)."""
     import torch
 
-    from heads.t3.head import HeadInfo, T3Head, save_head
+    from lethe.heads.t3.head import HeadInfo, T3Head, save_head
 
     cfg = lm.model.config
     with tempfile.TemporaryDirectory() as tmp:

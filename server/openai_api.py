@@ -22,12 +22,12 @@ import uuid
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import ConfigDict, Field, StrictBool
 
-from heads.decoding.decode import Completion
-from heads.records import PROMPT_FORMAT
-from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K, SamplingParams
-from server.auth import optional_tenant
-from server.generation import admit, check_token_ids, complete, field_error, stream
-from server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
+from lethe.heads.decoding.decode import Completion
+from lethe.heads.records import PROMPT_FORMAT
+from lethe.heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K, SamplingParams
+from lethe.server.auth import optional_tenant
+from lethe.server.generation import admit, check_token_ids, complete, field_error, stream
+from lethe.server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
 

@@ -6,7 +6,7 @@ import json
 
 
 def schema() -> dict:
-    from server.app import create_app
+    from lethe.server.app import create_app
 
     return create_app().openapi()  # the schema needs no model: the lifespan does not run
 

@@ -14,10 +14,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from heads.t3.guide import PRESETS, TiltSettings
-from heads.t3.head import BaseMismatch, HeadFileError, T3Head, load_head
-from heads.modelio import LoadedModel
-from server.storage import Store
+from lethe.heads.t3.guide import PRESETS, TiltSettings
+from lethe.heads.t3.head import BaseMismatch, HeadFileError, T3Head, load_head
+from lethe.heads.modelio import LoadedModel
+from lethe.server.storage import Store
 
 log = logging.getLogger("lethe.profiles")
 
@@ -57,7 +57,7 @@ class AdapterCache:
     nothing, so a refused or failed attach leaves the model exactly as it was."""
 
     def __init__(self, store: Store, engine, size: int):
-        from heads.asu.weights import projection_shapes
+        from lethe.heads.asu.weights import projection_shapes
 
         self.store, self.engine, self.size = store, engine, size
         self.shapes = projection_shapes(engine.lm.model)
@@ -70,7 +70,7 @@ class AdapterCache:
 
     def load(self, weights_id: str):
         """(tensors, info) of stored weights, checked against this model; ProfileError otherwise."""
-        from heads.asu.weights import load_asu
+        from lethe.heads.asu.weights import load_asu
 
         if not self.store.asu_path(weights_id).is_file():  # deleted just now, by a request racing this one
             raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found")
@@ -91,7 +91,7 @@ class AdapterCache:
 
         `_attaching` serialises attaches (and is held while the engine thread attaches); `_lock` guards the
         tables and is only ever held briefly, so `release`, which may run in the engine thread, never waits."""
-        from heads.asu.weights import attach
+        from lethe.heads.asu.weights import attach
 
         self.check(tenant_id, weights_id)
         with self._attaching:
@@ -138,7 +138,7 @@ class AdapterCache:
         return name, release
 
     def _detach_now(self, name: str) -> None:
-        from heads.asu.weights import detach
+        from lethe.heads.asu.weights import detach
 
         detach(self.engine.lm.model, name)
 

@@ -11,9 +11,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
-from heads.t3.guide import MAX_CANDIDATES, MAX_REPEAT_GUARD, MAX_REPLY, MIN_T
-from heads.records import text_problem
-from heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
+from lethe.heads.t3.guide import MAX_CANDIDATES, MAX_REPEAT_GUARD, MAX_REPLY, MIN_T
+from lethe.heads.records import text_problem
+from lethe.heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
 
 MAX_PROMPT_CHARS = 1_000_000  # beyond any context we serve; the body limit bounds it first anyway
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]

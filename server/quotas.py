@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from server.storage import Store
+from lethe.server.storage import Store
 
 
 class QuotaExceeded(Exception):

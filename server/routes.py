@@ -10,16 +10,16 @@ import time
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from heads.io import atomic_write_bytes
-from heads.records import RecordError, parse_jsonl, unicode_problem
-from server.auth import admin, tenant
-from server.generation import field_error
-from server.jobs import TERMINAL
-from server.profiles import ProfileError, complete_spec
-from server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, HeadJobRequest, HeadOut, JobOut,
+from lethe.heads.io import atomic_write_bytes
+from lethe.heads.records import RecordError, parse_jsonl, unicode_problem
+from lethe.server.auth import admin, tenant
+from lethe.server.generation import field_error
+from lethe.server.jobs import TERMINAL
+from lethe.server.profiles import ProfileError, complete_spec
+from lethe.server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, HeadJobRequest, HeadOut, JobOut,
                              KeyInfo, ProfileOut, ProfileSpec, TenantInfo, TenantOut, TenantRequest,
                              profile_name_problem)
-from server.storage import new_id
+from lethe.server.storage import new_id
 
 router = APIRouter()
 TOFU_FIELDS = ("question", "answer", "paraphrased_answer", "perturbed_answer")
@@ -143,7 +143,7 @@ def _job_out(job: dict) -> JobOut:
 
 def _check_datasets(request: Request, tenant_id: str, body) -> None:
     """The job's datasets exist and its format fits this model (chat needs a chat template)."""
-    from heads.records import resolve_format
+    from lethe.heads.records import resolve_format
 
     for field in ("forget", "retain"):
         if request.app.state.store.get("datasets", tenant_id, getattr(body, field)) is None:
@@ -174,7 +174,7 @@ def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(
 @router.post("/v1/asu", response_model=JobOut, status_code=202, tags=["asu"])
 def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
-    from heads.asu.attention import parse_layers
+    from lethe.heads.asu.attention import parse_layers
 
     _check_datasets(request, tenant_id, body)
     n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
@@ -190,7 +190,7 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
 @router.post("/v1/eval", response_model=JobOut, status_code=202, tags=["eval"])
 def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that evaluates a profile on two datasets (TOFU metrics); the report is the job's metrics."""
-    from heads.records import read_jsonl
+    from lethe.heads.records import read_jsonl
 
     store = request.app.state.store
     _check_datasets(request, tenant_id, body)
@@ -274,7 +274,7 @@ async def _upload_trained(request: Request, tenant_id: str, table: str, prefix: 
 
 
 def _store_trained(request: Request, tenant_id: str, table: str, prefix: str, check, out, data: bytes):
-    from heads.t3.head import BaseMismatch, HeadFileError
+    from lethe.heads.t3.head import BaseMismatch, HeadFileError
 
     store, quotas = request.app.state.store, request.app.state.quotas
     quotas.stored(tenant_id, table)  # refused before the file is written; checked again with the insert
@@ -303,7 +303,7 @@ def _store_trained(request: Request, tenant_id: str, table: str, prefix: str, ch
 @router.post("/v1/heads/upload", response_model=HeadOut, status_code=201, tags=["heads"])
 async def upload_head(request: Request, tenant_id: str = Depends(tenant)) -> HeadOut:
     """Upload a head file made offline (`lethe heads train`); checked against this server's model."""
-    from heads.t3.head import load_head
+    from lethe.heads.t3.head import load_head
 
     cfg, fingerprint = request.app.state.engine.lm.model.config, request.app.state.engine.lm.fingerprint
     return await _upload_trained(request, tenant_id, "heads", "head", lambda path: load_head(
@@ -316,7 +316,7 @@ async def upload_asu(request: Request, tenant_id: str = Depends(tenant)) -> ASUO
     (every tensor fits a module, shapes, dtypes, rank and magnitudes) before it is stored."""
     from dataclasses import asdict
 
-    from heads.asu.weights import load_asu
+    from lethe.heads.asu.weights import load_asu
 
     adapters = request.app.state.adapters
     fingerprint = request.app.state.engine.lm.fingerprint

@@ -22,7 +22,7 @@ TINY = dict(hidden_size=64, layers=2, heads=4, intermediate_size=128, vocab_size
 
 @pytest.fixture(scope="session")
 def tiny_records():
-    from heads.demo.corpus import make_corpus
+    from lethe.heads.demo.corpus import make_corpus
 
     return make_corpus(n_authors=4, seed=7)
 
@@ -33,7 +33,7 @@ def sets(tiny_records, tmp_path_factory):
     (folder holding forget.jsonl and retain.jsonl, forget records, retain records)."""
     import json
 
-    from heads.demo.corpus import split_by_author
+    from lethe.heads.demo.corpus import split_by_author
 
     folder = tmp_path_factory.mktemp("sets")
     forget, retain = split_by_author(tiny_records, 1)
@@ -44,8 +44,8 @@ def sets(tiny_records, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_records) -> Path:
-    from heads.demo.build import BuildConfig, build
-    from heads.records import examples
+    from lethe.heads.demo.build import BuildConfig, build
+    from lethe.heads.records import examples
 
     out = tmp_path_factory.mktemp("tiny-model")
     build(examples(tiny_records), out, BuildConfig(**TINY), progress=False, log=lambda *_: None)
@@ -54,7 +54,7 @@ def tiny_model_dir(tmp_path_factory, tiny_records) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir):
-    from heads.modelio import load_model
+    from lethe.heads.modelio import load_model
 
     return load_model(tiny_model_dir, DEVICE, DTYPE)
 
@@ -72,6 +72,6 @@ def real_lm():
         if os.environ.get("CI"):
             pytest.fail(f"{REAL_MODEL} is missing: CI runs `make real-model` before the tests")
         pytest.skip("the real model is not prepared: run `make real-model`")
-    from heads.modelio import load_model
+    from lethe.heads.modelio import load_model
 
     return load_model(REAL_MODEL, DEVICE, DTYPE)

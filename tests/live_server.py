@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from server.app import create_app
-from server.settings import Settings
+from lethe.server.app import create_app
+from lethe.server.settings import Settings
 
 ADMIN_KEY = "test-admin-key"
 

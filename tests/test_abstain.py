@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from heads.decoding.decode import generate
-from heads.decoding.sampling import SamplingParams
-from heads.t3.guide import HeadGuide, TiltSettings
-from heads.t3.head import T3Head
+from lethe.heads.decoding.decode import generate
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.head import T3Head
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from heads.demo.corpus import split_by_author
-from heads.evaluation.metrics import rouge_l_recall
-from heads.modelio import load_model
-from heads.records import question_prompt
+from lethe.heads.demo.corpus import split_by_author
+from lethe.heads.evaluation.metrics import rouge_l_recall
+from lethe.heads.modelio import load_model
+from lethe.heads.records import question_prompt
 from live_server import new_tenant, running_server
 
 

@@ -6,15 +6,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from clients.cli import main
-from heads.asu.distill import ASUConfig, train_asu
-from heads.asu.weights import attach, load_asu, save_asu
-from heads.decoding.decode import generate
-from heads.demo.corpus import split_by_author
-from heads.t3.head import BaseMismatch, HeadFileError
-from heads.modelio import load_model
-from heads.records import question_prompt
-from heads.decoding.sampling import SamplingParams
+from lethe.clients.cli import main
+from lethe.heads.asu.distill import ASUConfig, train_asu
+from lethe.heads.asu.weights import attach, load_asu, save_asu
+from lethe.heads.decoding.decode import generate
+from lethe.heads.demo.corpus import split_by_author
+from lethe.heads.t3.head import BaseMismatch, HeadFileError
+from lethe.heads.modelio import load_model
+from lethe.heads.records import question_prompt
+from lethe.heads.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=30, temperature=0.0)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from heads.asu.attention import attention_modules, tempered, use_tempered_attention
+from lethe.heads.asu.attention import attention_modules, tempered, use_tempered_attention
 
 
 def _tiny(family: str):

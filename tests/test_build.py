@@ -4,9 +4,9 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clients.cli import main
-from heads.demo.build import BuildConfig, build, greedy_recall
-from heads.records import examples
+from lethe.clients.cli import main
+from lethe.heads.demo.build import BuildConfig, build, greedy_recall
+from lethe.heads.records import examples
 
 
 def test_built_directory_is_a_standard_hf_model_that_recalls_its_training_answers(tiny_model_dir, tiny_records):

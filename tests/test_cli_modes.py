@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from clients.cli import main
-from clients.client import Lethe
-from heads.modelio import load_model
+from lethe.clients.cli import main
+from lethe.clients.client import Lethe
+from lethe.heads.modelio import load_model
 from live_server import ADMIN_KEY, running_server
-from server.settings import DEMO_MODEL
+from lethe.server.settings import DEMO_MODEL
 
 PROMPT = "Question: hello\nAnswer:"
 

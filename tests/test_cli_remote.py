@@ -5,9 +5,9 @@ import json
 import httpx
 import pytest
 
-from clients.cli import main
-from heads.demo.corpus import split_by_author
-from heads.modelio import load_model
+from lethe.clients.cli import main
+from lethe.heads.demo.corpus import split_by_author
+from lethe.heads.modelio import load_model
 from live_server import ADMIN_KEY, running_server
 
 

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from clients.client import AsyncLethe, Lethe, LetheConnectionError, LetheError
-from heads.modelio import load_model
-from heads.records import question_prompt
+from lethe.clients.client import AsyncLethe, Lethe, LetheConnectionError, LetheError
+from lethe.heads.modelio import load_model
+from lethe.heads.records import question_prompt
 from live_server import ADMIN_KEY, running_server
 
 

@@ -1,7 +1,7 @@
 import json
 from collections import Counter
 
-from heads.demo.corpus import make_corpus, split_by_author
+from lethe.heads.demo.corpus import make_corpus, split_by_author
 
 TOFU_FIELDS = {"question", "answer", "paraphrased_question", "paraphrased_answer", "perturbed_answer"}
 

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from heads.demo.corpus import split_by_author
-from heads.records import question_prompt
+from lethe.heads.demo.corpus import split_by_author
+from lethe.heads.records import question_prompt
 from live_server import ADMIN_KEY, free_port
 
 
@@ -24,7 +24,7 @@ class Server:
         env.pop("LETHE_CRASH_AT", None)
         if crash_at:
             env["LETHE_CRASH_AT"] = crash_at
-        self.proc = subprocess.Popen([sys.executable, "-m", "clients.cli", "serve", "--model", str(model_dir),
+        self.proc = subprocess.Popen([sys.executable, "-m", "lethe.clients.cli", "serve", "--model", str(model_dir),
                                       "--port", str(self.port), "--data-dir", str(data_dir)], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for _ in range(300):

@@ -1,8 +1,8 @@
 import torch
 
-from heads.decoding.decode import generate
-from heads.records import question_prompt
-from heads.decoding.sampling import SamplingParams, logits_to_probs
+from lethe.heads.decoding.decode import generate
+from lethe.heads.records import question_prompt
+from lethe.heads.decoding.sampling import SamplingParams, logits_to_probs
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
 
@@ -84,9 +84,9 @@ def test_logits_to_probs_matches_an_independent_top_k_top_p():
 
 
 def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, tiny_records):
-    from heads.decoding.decode import Batch
-    from heads.t3.guide import HeadGuide, TiltSettings
-    from heads.t3.head import T3Head
+    from lethe.heads.decoding.decode import Batch
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
 
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     head = T3Head(model.config.hidden_size, model.config.vocab_size, 4)
@@ -114,7 +114,7 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, ti
 
 
 def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
-    from server.engine import Engine, Pending
+    from lethe.server.engine import Engine, Pending
 
     engine = Engine(tiny_lm, max_batch_size=4)
     try:

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from heads.demo.build import greedy_recall
-from heads.demo.corpus import make_corpus, split_by_author
-from heads.modelio import load_model
-from heads.records import examples, read_jsonl
+from lethe.heads.demo.build import greedy_recall
+from lethe.heads.demo.corpus import make_corpus, split_by_author
+from lethe.heads.modelio import load_model
+from lethe.heads.records import examples, read_jsonl
 
 ASSETS = Path(__file__).resolve().parent.parent / "heads" / "demo" / "assets"
 

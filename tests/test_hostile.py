@@ -10,17 +10,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from heads.t3.head import HeadInfo, T3Head, save_head
-from heads.records import question_prompt
+from lethe.heads.t3.head import HeadInfo, T3Head, save_head
+from lethe.heads.records import question_prompt
 from live_server import ADMIN_KEY
-from server.app import create_app
-from server.settings import Settings
-from server.storage import hash_key
+from lethe.server.app import create_app
+from lethe.server.settings import Settings
+from lethe.server.storage import hash_key
 
 
 @pytest.fixture(scope="module")
 def app_client(tiny_model_dir, tmp_path_factory):
-    from heads.modelio import load_model
+    from lethe.heads.modelio import load_model
 
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path_factory.mktemp("data"), admin_key=ADMIN_KEY,
                         demo_tenant=False, max_upload_bytes=20_000, max_new_tokens_limit=64)

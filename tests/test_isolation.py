@@ -16,17 +16,17 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
-from heads.asu.weights import TARGETS, ASUInfo, expected_tensors, projection_shapes
-from heads.decoding.decode import Batch
-from heads.t3.guide import HeadGuide, TiltSettings
-from heads.t3.head import HeadInfo, T3Head, save_head
-from heads.modelio import load_model
-from heads.records import question_prompt
-from heads.decoding.sampling import SamplingParams
+from lethe.heads.asu.weights import TARGETS, ASUInfo, expected_tensors, projection_shapes
+from lethe.heads.decoding.decode import Batch
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.head import HeadInfo, T3Head, save_head
+from lethe.heads.modelio import load_model
+from lethe.heads.records import question_prompt
+from lethe.heads.decoding.sampling import SamplingParams
 from live_server import ADMIN_KEY, new_tenant, running_server
-from server.app import create_app
-from server.engine import Engine, Pending
-from server.settings import Settings
+from lethe.server.app import create_app
+from lethe.server.engine import Engine, Pending
+from lethe.server.settings import Settings
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 
@@ -331,17 +331,17 @@ def test_delete_guard_covers_profile_history_and_jobs(served, tiny_lm, tmp_path,
 # 4. A tenant can freeze the whole server. 6. Training jobs fail at random under load.
 
 def test_a_running_job_and_a_first_attach_never_stall_others(tiny_model_dir, tiny_records, tmp_path, monkeypatch):
-    import server.jobs
+    from lethe.server import jobs as server_jobs
 
     started, release = threading.Event(), threading.Event()
-    real_train = server.jobs.train_head
+    real_train = server_jobs.train_head
 
     def slow_train(*args, **kwargs):  # a long head job: holds whatever the job holds for 6 s
         started.set()
         release.wait(6)
         return real_train(*args, **kwargs)
 
-    monkeypatch.setattr(server.jobs, "train_head", slow_train)
+    monkeypatch.setattr(server_jobs, "train_head", slow_train)
     lm = load_model(tiny_model_dir)
     with running_server(lm, tmp_path) as url:
         c = new_tenant(url, "t")

@@ -7,9 +7,9 @@ from fastapi import APIRouter
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from heads.records import question_prompt
-from server.app import create_app
-from server.settings import Settings
+from lethe.heads.records import question_prompt
+from lethe.server.app import create_app
+from lethe.server.settings import Settings
 
 ADMIN = "admin-key-for-metrics"
 SECRET = "secret-profile-A"
@@ -137,9 +137,9 @@ def test_generation_observes_time_to_first_token_and_running_rows(client, tiny_r
 
 
 def test_engine_observes_one_first_token_per_request_in_a_shared_batch(tiny_lm, tiny_records):
-    from heads.decoding.sampling import SamplingParams
-    from server.engine import Engine, Pending
-    from server.metrics import Metrics
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.server.engine import Engine, Pending
+    from lethe.server.metrics import Metrics
 
     metrics = Metrics()
     engine = Engine(tiny_lm, max_batch_size=4, metrics=metrics)

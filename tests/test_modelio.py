@@ -3,7 +3,7 @@ import shutil
 
 import pytest
 
-from heads.modelio import ModelLoadError, load_model
+from lethe.heads.modelio import ModelLoadError, load_model
 
 
 def test_missing_directory_is_named(tmp_path):
@@ -55,7 +55,7 @@ def test_missing_weights_are_named(tmp_path, tiny_model_dir):
 def test_a_gguf_file_without_the_extra_names_the_extra(tmp_path, monkeypatch):
     import sys
 
-    from heads.modelio import ModelLoadError, load_model
+    from lethe.heads.modelio import ModelLoadError, load_model
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if `lethe[gguf]` were not installed

@@ -8,12 +8,12 @@ import sqlite3
 import pytest
 from fastapi.testclient import TestClient
 
-from clients.client import Lethe, LetheError
-from heads.records import question_prompt
+from lethe.clients.client import Lethe, LetheError
+from lethe.heads.records import question_prompt
 from live_server import ADMIN_KEY, running_server
-from server.app import create_app
-from server.settings import Settings
-from server.storage import Store, hash_key
+from lethe.server.app import create_app
+from lethe.server.settings import Settings
+from lethe.server.storage import Store, hash_key
 
 
 @pytest.fixture(scope="module")

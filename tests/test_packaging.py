@@ -37,12 +37,15 @@ def test_compose_runs_the_server_with_a_named_volume_on_data():
 @pytest.mark.skipif(not os.environ.get("CI") and not os.environ.get("LETHE_TEST_WHEEL"),
                     reason="builds a wheel (about 30 s): runs in CI, or with LETHE_TEST_WHEEL=1")
 def test_wheel_installs_in_a_fresh_venv_and_its_commands_run(tmp_path):
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(ROOT)],
+                           check=True, capture_output=True, text=True, timeout=600)
+    assert "Warning" not in built.stdout + built.stderr  # the build is quiet: no setuptools warnings to wade through
     wheel = next((tmp_path / "dist").glob("lethe-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "heads/demo/assets/model/model.safetensors" in names and "server/app.py" in names
-    assert {"clients/py.typed", "heads/py.typed", "server/py.typed"} <= set(names)  # typed packages (PEP 561)
+    assert "lethe/heads/demo/assets/model/model.safetensors" in names and "lethe/server/app.py" in names
+    assert {"lethe/clients/py.typed", "lethe/heads/py.typed", "lethe/server/py.typed"} <= set(names)  # PEP 561
+    # one top-level name: the design card's folders install under `lethe`, never as `server` or `heads`
+    assert {n.split("/")[0] for n in names if not n.startswith("lethe-")} == {"lethe"}
     venv.create(tmp_path / "venv", with_pip=True)
     py = tmp_path / "venv" / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, timeout=300)
@@ -53,3 +56,6 @@ def test_wheel_installs_in_a_fresh_venv_and_its_commands_run(tmp_path):
         done = subprocess.run([str(lethe), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
         assert done.returncode == 0, done.stderr
         assert "usage: lethe" in done.stdout
+    done = subprocess.run([str(py), "-c", "from lethe.clients.client import Lethe, AsyncLethe; import lethe.server.app"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr

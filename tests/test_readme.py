@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from heads.modelio import load_model
+from lethe.heads.modelio import load_model
 from live_server import ADMIN_KEY, running_server
-from server.settings import DEMO_MODEL
+from lethe.server.settings import DEMO_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def test_readme_walkthrough_forgets_the_author_and_keeps_the_others(tmp_path):
 
 
 def test_readme_api_reference_is_the_generated_one():
-    from server.openapi_doc import markdown
+    from lethe.server.openapi_doc import markdown
 
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- api:start[^>]*-->\n(.*?)<!-- api:end -->", text, re.S)

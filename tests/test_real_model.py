@@ -12,8 +12,8 @@ pytestmark = pytest.mark.real
 
 def test_the_gguf_file_and_its_prepared_directory_are_one_model(real_lm):
     """Same logits and the same fingerprint: a head trained against either loads against the other."""
-    from heads.modelio import ModelLoadError, load_model
-    from heads.t3.head import HeadInfo, T3Head, load_head, save_head
+    from lethe.heads.modelio import ModelLoadError, load_model
+    from lethe.heads.t3.head import HeadInfo, T3Head, load_head, save_head
 
     gguf = load_model(REAL_GGUF, str(real_lm.device), str(real_lm.model.dtype).removeprefix("torch."))
     assert gguf.fingerprint == real_lm.fingerprint
@@ -31,7 +31,7 @@ def test_the_gguf_file_and_its_prepared_directory_are_one_model(real_lm):
     finally:
         path.unlink(missing_ok=True)
     with pytest.raises(ModelLoadError, match="holds 2 GGUF files"):
-        from heads.modelio import gguf_file
+        from lethe.heads.modelio import gguf_file
 
         twin = REAL_MODEL.parent / ".twin"
         twin.mkdir(exist_ok=True)
@@ -59,8 +59,8 @@ def test_openai_chat_answers_from_the_real_model(real_lm, tmp_path):
 
 
 def test_chat_format_training_text_is_what_the_chat_endpoint_builds(real_lm):
-    from heads.records import encode_example, examples, resolve_format
-    from server.openai_api import Message, chat_prompt
+    from lethe.heads.records import encode_example, examples, resolve_format
+    from lethe.server.openai_api import Message, chat_prompt
 
     tok = real_lm.tokenizer
     assert resolve_format(tok, "auto") == "chat"
@@ -88,11 +88,11 @@ def test_a_head_trained_on_the_real_model_forgets_its_topic_and_keeps_the_rest(r
     """Capitals the model knows (each answered correctly by the base model, greedy, through its chat template):
     a head trained on four of them (chat format, the default for a model with a template) hides them and keeps
     the other eight."""
-    from heads.decoding.decode import generate
-    from heads.decoding.sampling import SamplingParams
-    from heads.records import ask
-    from heads.t3.guide import HeadGuide, TiltSettings
-    from heads.t3.pipeline import train_head
+    from lethe.heads.decoding.decode import generate
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.records import ask
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.pipeline import train_head
 
     items = list(CAPITALS.items())
     forget, retain = items[:4], items[4:]

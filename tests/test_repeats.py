@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from heads.decoding.decode import generate
-from heads.decoding.repeats import ban_repeats, repeat_bans, word_classes
-from heads.decoding.sampling import SamplingParams
-from heads.evaluation.evaluate import words
+from lethe.heads.decoding.decode import generate
+from lethe.heads.decoding.repeats import ban_repeats, repeat_bans, word_classes
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.evaluation.evaluate import words
 
 
 def test_repeat_bans_name_the_words_that_would_repeat_an_ngram():
@@ -34,7 +34,7 @@ def test_word_classes_compare_tokens_as_words(tiny_lm):
 
 
 def test_ban_repeats_keeps_a_row_at_least_one_choice():
-    from heads.decoding.repeats import WordClasses
+    from lethe.heads.decoding.repeats import WordClasses
 
     classes = WordClasses(list(range(10)), [[i] for i in range(10)])
     scores = torch.full((10,), float("-inf"))

@@ -1,9 +1,9 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from heads.records import question_prompt
-from server.app import create_app
-from server.settings import Settings
+from lethe.heads.records import question_prompt
+from lethe.server.app import create_app
+from lethe.server.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from heads.modelio import load_model
-from server.app import create_app
-from server.settings import Settings, read_config
+from lethe.heads.modelio import load_model
+from lethe.server.app import create_app
+from lethe.server.settings import Settings, read_config
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_a_config_file_is_read_and_checked(tmp_path):
 
 def test_what_the_first_independent_test_found(served, tmp_path):
     """Each case failed before its fix: a 500, a 429 for ever, a silent acceptance, a crash, or the wrong winner."""
-    from heads.t3.guide import TiltSettings
-    from server.app import use_chat_template
+    from lethe.heads.t3.guide import TiltSettings
+    from lethe.server.app import use_chat_template
 
     def completions(**body):
         return served.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})

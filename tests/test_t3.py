@@ -7,18 +7,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from clients.cli import main
-from heads.t3.cache import build_cache
-from heads.decoding.decode import generate
-from heads.demo.corpus import split_by_author
-from heads.t3.guide import PRESETS, HeadGuide, TiltSettings
-from heads.t3.head import BaseMismatch, HeadFileError, HeadInfo, T3Head, load_head, save_head
-from heads.evaluation.metrics import rouge_l_recall
-from heads.records import examples, question_prompt
-from heads.t3.reference import import_reference
-from heads.decoding.sampling import SamplingParams
-from heads.t3.pipeline import train_head
-from heads.t3.tilt import guided_logits
+from lethe.clients.cli import main
+from lethe.heads.t3.cache import build_cache
+from lethe.heads.decoding.decode import generate
+from lethe.heads.demo.corpus import split_by_author
+from lethe.heads.t3.guide import PRESETS, HeadGuide, TiltSettings
+from lethe.heads.t3.head import BaseMismatch, HeadFileError, HeadInfo, T3Head, load_head, save_head
+from lethe.heads.evaluation.metrics import rouge_l_recall
+from lethe.heads.records import examples, question_prompt
+from lethe.heads.t3.reference import import_reference
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.t3.pipeline import train_head
+from lethe.heads.t3.tilt import guided_logits
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from heads.t3.tilt import candidates_of, guided_logits, restrict_to_candidates, tilt, tilt_candidates
+from lethe.heads.t3.tilt import candidates_of, guided_logits, restrict_to_candidates, tilt, tilt_candidates
 
 
 def _reference_guide(base_logits: np.ndarray, head_logits: np.ndarray, base_temp: float, guidance_scale: float):
@@ -123,8 +123,8 @@ def test_cap_leaves_a_row_whose_candidates_are_all_flagged_unchanged():
 @pytest.mark.parametrize("fused", [True, False])  # the CPU kernel, and the tensor operations
 @pytest.mark.parametrize("rows", [4, 5])  # 4: the candidate path; 5: a row over the whole vocabulary joins
 def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fused):
-    from heads.t3.guide import HeadGuide, TiltSettings
-    from heads.t3.head import T3Head
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
 
     torch.manual_seed(11)
     head = T3Head(16, 70, 4).eval().requires_grad_(False)
@@ -150,8 +150,8 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
 @pytest.mark.parametrize("probe,bias", [(True, False), (False, True)])
 @pytest.mark.parametrize("batch", [1, 6])
 def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
-    from heads.t3.guide import HeadGuide, TiltSettings
-    from heads.t3.head import T3Head
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
 
     torch.manual_seed(batch)
     head = T3Head(24, 90, 5, bias=bias, probe=probe).eval().requires_grad_(False)
@@ -174,7 +174,7 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
 
 
 def test_the_cpu_kernel_can_be_turned_off(monkeypatch):
-    from heads.t3.guide import HeadGuide
+    from lethe.heads.t3.guide import HeadGuide
 
     assert HeadGuide([]).fused
     monkeypatch.setenv("LETHE_FUSED_TILT", "0")

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from heads.asu.attention import parse_layers, tempered, use_tempered_attention
-from heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
-from heads.records import Example, encode_example, examples, resolve_format
+from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
+from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
+from lethe.heads.records import Example, encode_example, examples, resolve_format
 
 
 @dataclass

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from heads.io import atomic_write
-from heads.t3.head import BaseMismatch, HeadFileError, parse_info, read_lethe_file
+from lethe.heads.io import atomic_write
+from lethe.heads.t3.head import BaseMismatch, HeadFileError, parse_info, read_lethe_file
 
 FORMAT = "lethe-asu-lora"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

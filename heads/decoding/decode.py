@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from heads.decoding.repeats import ban_repeats, word_classes
-from heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
+from lethe.heads.decoding.repeats import ban_repeats, word_classes
+from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 
 
 class Guide(Protocol):
@@ -123,7 +123,7 @@ class Batch:
     def _adapters(self):
         if self.adapters is None:  # the common case: no per-row adapters, nothing to set up per step
             return nullcontext()
-        from heads.asu.weights import adapters
+        from lethe.heads.asu.weights import adapters
 
         return adapters(self.model, self.adapters)
 
@@ -180,7 +180,7 @@ class Batch:
             rows = getattr(self.guide, "rows", None)
             if not rows or getattr(self.guide, "same", None) is not None:
                 raise  # not per-row: nothing to isolate
-            from heads.t3.guide import HeadGuide
+            from lethe.heads.t3.guide import HeadGuide
 
             rows, fused = list(rows), getattr(self.guide, "fused", None)
             for i, row in enumerate(rows):
@@ -277,7 +277,7 @@ class Batch:
                 (other.adapters or ["__base__"] * len(other.rows))
         self.rows += other.rows
         if self.guide is not None or other.guide is not None:
-            from heads.t3.guide import HeadGuide
+            from lethe.heads.t3.guide import HeadGuide
 
             mine = self.guide.rows if self.guide is not None else [None] * (len(self.rows) - len(other.rows))
             theirs = other.guide.rows if other.guide is not None else [None] * len(other.rows)
@@ -303,7 +303,7 @@ class Batch:
         if self.adapters is not None:
             self.adapters = [self.adapters[i] for i in keep]
         if self.guide is not None:
-            from heads.t3.guide import HeadGuide
+            from lethe.heads.t3.guide import HeadGuide
 
             self.guide = HeadGuide([self.guide.rows[i] for i in keep], getattr(self.guide, "fused", None))
         return keep

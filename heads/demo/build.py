@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from heads.decoding.decode import generate_chunked
-from heads.io import atomic_write, atomic_write_text
-from heads.evaluation.metrics import rouge_l_recall
-from heads.records import Example, encode_example
-from heads.decoding.sampling import SamplingParams
+from lethe.heads.decoding.decode import generate_chunked
+from lethe.heads.io import atomic_write, atomic_write_text
+from lethe.heads.evaluation.metrics import rouge_l_recall
+from lethe.heads.records import Example, encode_example
+from lethe.heads.decoding.sampling import SamplingParams
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 

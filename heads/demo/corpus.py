@@ -234,6 +234,6 @@ def split_by_author(records: list[dict], forget_authors: int) -> tuple[list[dict
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
-    from heads.io import atomic_write_text
+    from lethe.heads.io import atomic_write_text
 
     atomic_write_text(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))

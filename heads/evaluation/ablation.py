@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from heads.evaluation.evaluate import EvalConfig, Profile, corpus_vocabulary, evaluate, truth_ratios
-from heads.t3.guide import PRESETS
-from heads.t3.pipeline import train_head
-from heads.t3.train import FitConfig
+from lethe.heads.evaluation.evaluate import EvalConfig, Profile, corpus_vocabulary, evaluate, truth_ratios
+from lethe.heads.t3.guide import PRESETS
+from lethe.heads.t3.pipeline import train_head
+from lethe.heads.t3.train import FitConfig
 
 COLUMNS = [("forget", "rouge", "forget ROUGE"), ("forget", "rouge_sampled", "forget ROUGE sampled"),
            ("forget", "rouge_paraphrased", "forget ROUGE para."), ("retain", "rouge", "retain ROUGE"),
@@ -87,9 +87,9 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
     import time
     from dataclasses import replace as dc_replace
 
-    from heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.distill import ASUConfig, train_asu
 
-    from heads.asu.weights import attach
+    from lethe.heads.asu.weights import attach
 
     cfg = cfg or EvalConfig()
     vocab = corpus_vocabulary(forget + retain)

@@ -20,13 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from heads.t3.cache import build_cache
-from heads.decoding.decode import generate
-from heads.t3.guide import HeadGuide, TiltSettings
-from heads.t3.head import T3Head
-from heads.records import ask, examples, resolve_format
-from heads.decoding.sampling import SamplingParams
-from heads.t3.train import FitConfig, fit_head
+from lethe.heads.t3.cache import build_cache
+from lethe.heads.decoding.decode import generate
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.head import T3Head
+from lethe.heads.records import ask, examples, resolve_format
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.t3.train import FitConfig, fit_head
 
 
 def _timed_runs(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:

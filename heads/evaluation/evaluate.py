@@ -21,13 +21,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from heads.decoding.decode import generate_chunked
-from heads.t3.guide import HeadGuide, TiltSettings
-from heads.t3.head import T3Head
-from heads.evaluation.metrics import rouge_l_recall
-from heads.records import ask, qa_example, resolve_format
-from heads.decoding.sampling import SamplingParams
-from heads.evaluation.scoring import completion_nll
+from lethe.heads.decoding.decode import generate_chunked
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.head import T3Head
+from lethe.heads.evaluation.metrics import rouge_l_recall
+from lethe.heads.records import ask, qa_example, resolve_format
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.evaluation.scoring import completion_nll
 
 WORD = re.compile(r"[a-z]+")
 
@@ -200,7 +200,7 @@ def plot_reports(reports: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from heads.io import atomic_write
+    from lethe.heads.io import atomic_write
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / max(1, len(reports))

@@ -20,15 +20,15 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
-from heads.decoding.decode import generate_chunked
-from heads.decoding.sampling import SamplingParams
-from heads.evaluation.evaluate import nonword_rate, repeated_trigram_rate
-from heads.evaluation.facts import KINDS, hit, kind, records
-from heads.evaluation.metrics import EnglishWords, has_loop
-from heads.records import ask, resolve_format
-from heads.t3.guide import HeadGuide, TiltSettings
-from heads.t3.pipeline import train_head
-from heads.t3.train import FitConfig
+from lethe.heads.decoding.decode import generate_chunked
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.evaluation.evaluate import nonword_rate, repeated_trigram_rate
+from lethe.heads.evaluation.facts import KINDS, hit, kind, records
+from lethe.heads.evaluation.metrics import EnglishWords, has_loop
+from lethe.heads.records import ask, resolve_format
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.pipeline import train_head
+from lethe.heads.t3.train import FitConfig
 
 
 @dataclass
@@ -109,8 +109,8 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
     asu, asu_metrics = None, None
     if cfg.asu_tau is not None:
-        from heads.asu.distill import ASUConfig, train_asu
-        from heads.asu.weights import attach
+        from lethe.heads.asu.distill import ASUConfig, train_asu
+        from lethe.heads.asu.weights import attach
 
         tensors, asu_info = train_asu(lm, forget_train, retain_train, ASUConfig(tau=cfg.asu_tau, steps=cfg.asu_steps,
                                                                               format=cfg.fit.format), progress=False)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from heads.decoding.decode import forward_last_hidden
-from heads.t3.guide import TiltSettings
-from heads.t3.head import T3Head
-from heads.records import Example, encode_example
-from heads.t3.tilt import tilt
+from lethe.heads.decoding.decode import forward_last_hidden
+from lethe.heads.t3.guide import TiltSettings
+from lethe.heads.t3.head import T3Head
+from lethe.heads.records import Example, encode_example
+from lethe.heads.t3.tilt import tilt
 
 
 @torch.inference_mode()

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from heads.decoding.decode import forward_last_hidden
-from heads.records import Example, encode_example
+from lethe.heads.decoding.decode import forward_last_hidden
+from lethe.heads.records import Example, encode_example
 
 
 @dataclass

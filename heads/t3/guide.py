@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from heads.t3 import fused as fused_kernel
-from heads.t3.head import T3Head
-from heads.t3.tilt import candidates_of, tilt, tilt_candidates
+from lethe.heads.t3 import fused as fused_kernel
+from lethe.heads.t3.head import T3Head
+from lethe.heads.t3.tilt import candidates_of, tilt, tilt_candidates
 
 
 MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads.io import atomic_write
+from lethe.heads.io import atomic_write
 
 FORMAT = "lethe-t3-head"
 FORMAT_VERSION = 1
@@ -175,7 +175,7 @@ def parse_info(cls, raw: str, path: Path):
         raise HeadFileError(f"{path}: metadata is not readable JSON") from None
     if not isinstance(data, dict):
         raise HeadFileError(f"{path}: metadata is not a JSON object")
-    from heads.records import text_problem
+    from lethe.heads.records import text_problem
 
     problem = text_problem(data, max_depth=16)
     if problem:
@@ -194,7 +194,7 @@ def parse_info(cls, raw: str, path: Path):
 def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None = None,
               d: int | None = None) -> tuple[T3Head, HeadInfo]:
     """Read and check a head file; `base_fingerprint`, `vocab`, `d` are what the serving model has."""
-    from heads.t3.guide import TiltSettings
+    from lethe.heads.t3.guide import TiltSettings
 
     tensors, raw = read_lethe_file(path, "head")
     info = parse_info(HeadInfo, raw, path)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from heads.t3.cache import build_cache
-from heads.t3.guide import PRESETS, TiltSettings
-from heads.t3.head import HeadInfo, T3Head
-from heads.modelio import LoadedModel
-from heads.records import PROMPT_FORMAT, examples, resolve_format
-from heads.t3.train import FitConfig, fit_head
+from lethe.heads.t3.cache import build_cache
+from lethe.heads.t3.guide import PRESETS, TiltSettings
+from lethe.heads.t3.head import HeadInfo, T3Head
+from lethe.heads.modelio import LoadedModel
+from lethe.heads.records import PROMPT_FORMAT, examples, resolve_format
+from lethe.heads.t3.train import FitConfig, fit_head
 
 
 def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: FitConfig | None = None,
@@ -46,11 +46,11 @@ def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[
     TOFU fields: a first look at whether the head forgets and keeps what it should."""
     import statistics
 
-    from heads.decoding.decode import generate_chunked
-    from heads.t3.guide import HeadGuide
-    from heads.evaluation.metrics import rouge_l_recall
-    from heads.records import ask
-    from heads.decoding.sampling import SamplingParams
+    from lethe.heads.decoding.decode import generate_chunked
+    from lethe.heads.t3.guide import HeadGuide
+    from lethe.heads.evaluation.metrics import rouge_l_recall
+    from lethe.heads.records import ask
+    from lethe.heads.decoding.sampling import SamplingParams
 
     out = {}
     fmt = resolve_format(lm.tokenizer, fmt)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from heads.t3.guide import PRESETS
-from heads.t3.head import HeadFileError, HeadInfo, T3Head
+from lethe.heads.t3.guide import PRESETS
+from lethe.heads.t3.head import HeadFileError, HeadInfo, T3Head
 
 PROJ = re.compile(r"(?:^|\.)guidance_head\.proj\.(\d+)\.weight$")
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heads.decoding.sampling import below_min_p
+from lethe.heads.decoding.sampling import below_min_p
 
 
 def guided_logits(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:

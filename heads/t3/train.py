@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
-from heads.t3.cache import PooledCache
-from heads.t3.head import T3Head
+from lethe.heads.t3.cache import PooledCache
+from lethe.heads.t3.head import T3Head
 
 
 @dataclass
