@@ -328,8 +328,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
                                                 total_tokens=c.prompt_tokens + c.completion_tokens))
 
         if body.stream:
-            return stream(request, body.prompt, params, resolved, lambda t: {"text": t},
-                          lambda c: response(c).model_dump() | {"text": ""})
+            return stream(request, [(body.prompt, params, resolved)], lambda _, t, __: {"text": t},
+                          lambda _, c, __: response(c).model_dump() | {"text": ""})
         return response(await complete(request, body.prompt, params, resolved))
 
     return app

@@ -46,14 +46,15 @@ def _is_peft(model) -> bool:
 
 @dataclass
 class Pending:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids fed as given
     params: SamplingParams
     row: tuple[T3Head, TiltSettings] | None = None
     adapter: str | None = None  # the name of an attached ASU adapter
-    on_text: Callable[[str], None] | None = None
+    on_text: Callable[[str, list | None], None] | None = None  # (new text, log-probabilities since the last call)
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sent: int = 0  # characters already passed to on_text
+    sent_logprobs: int = 0  # log-probability entries already passed to on_text
     submitted: float = field(default_factory=time.perf_counter)  # for the time-to-first-token metric
 
 
@@ -84,7 +85,9 @@ class Engine:
         own = int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
         return own if self.max_model_len is None else min(own, self.max_model_len)
 
-    def count_tokens(self, text: str) -> int:
+    def count_tokens(self, text: str | list[int]) -> int:
+        if not isinstance(text, str):
+            return len(text)
         with self.tokenizer_lock:
             return len(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -294,13 +297,14 @@ class Engine:
                     # hold back text that may be the start of a stop string
                     text = text[: max(pending.sent, len(text) - max(len(s) for s in row.params.stop) + 1)]
                 if len(text) > pending.sent:
-                    pending.on_text(text[pending.sent:])
-                    pending.sent = len(text)
+                    logprobs = None if row.logprobs is None else row.logprobs[pending.sent_logprobs:]
+                    pending.on_text(text[pending.sent:], logprobs)
+                    pending.sent, pending.sent_logprobs = len(text), pending.sent_logprobs + len(logprobs or [])
             if row.error is not None and not pending.future.done():
                 log.warning("a row failed alone: %s: %s", type(row.error).__name__, row.error)
                 pending.future.set_exception(row.error)
             elif row.finish_reason is not None and not pending.future.done():
-                completion = Completion(row.text, row.token_ids, row.finish_reason, row.prompt_tokens)
+                completion = row.completion()
                 if self.metrics:
                     self.metrics.tokens.inc(completion.completion_tokens)
                 pending.future.set_result(completion)

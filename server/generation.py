@@ -87,7 +87,7 @@ def _once(*releases: Callable[[], None] | None) -> Callable[[], None]:
 
 
 def submit(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
-           on_text: Callable[[str], None] | None = None) -> Pending:
+           on_text: Callable[[str, list | None], None] | None = None) -> Pending:
     """Queue the request; whatever it pinned at admission is released when it ends, however it ends."""
     pending = Pending(prompt, params, resolved.row, resolved.adapter, on_text=on_text)
     pending.future.add_done_callback(lambda _: resolved.done())
@@ -107,40 +107,67 @@ async def complete(request: Request, prompt: str, params: SamplingParams, resolv
         raise
 
 
-def stream(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
-           chunk: Callable[[str], dict], final: Callable[[Completion], dict | list[dict]],
+def stream(request: Request, choices: list[tuple[str | list[int], SamplingParams, Resolved]],
+           chunk: Callable[[int, str, list | None], dict],
+           final: Callable[[int, Completion, list | None], dict | list[dict]],
+           end: Callable[[list[Completion]], list[dict]] | None = None,
            headers: dict[str, str] | None = None) -> StreamingResponse:
-    """Server-sent events: one `chunk(text)` per new piece of text, then `final(completion)` (one event, or a
-    list of them), then [DONE].
+    """Server-sent events for one or more choices decoding side by side: `chunk(i, text, logprobs)` for each new
+    piece of choice i's text (with the log-probabilities of its tokens since the last piece, when the choice asks
+    for them), `final(i, completion, logprobs not yet sent)` when choice i ends (one event or a list), then
+    `end(completions)` once all have ended, then [DONE].
 
-    A client that goes away cancels its request: its row stops at the next decoding step.
+    A client that goes away cancels its requests: their rows stop at the next decoding step.
     """
     loop = asyncio.get_running_loop()
-    texts: asyncio.Queue[str] = asyncio.Queue()
-    pending = submit(request, prompt, params, resolved, lambda t: loop.call_soon_threadsafe(texts.put_nowait, t))
-    done = asyncio.wrap_future(pending.future)
+    texts: asyncio.Queue[tuple[int, str, list | None]] = asyncio.Queue()
+    pendings = []
+    try:
+        for i, (prompt, params, resolved) in enumerate(choices):
+            pendings.append(submit(request, prompt, params, resolved,
+                                   lambda t, lp, i=i: loop.call_soon_threadsafe(texts.put_nowait, (i, t, lp))))
+    except BaseException:
+        for pending in pendings:
+            pending.cancelled.set()
+        raise
+    dones = [asyncio.wrap_future(p.future) for p in pendings]
 
     async def events() -> AsyncIterator[str]:
         getter: asyncio.Future | None = None
+        sent = [0] * len(dones)  # log-probability entries already sent, per choice
+        ended: dict[int, Completion] = {}
+
+        def piece(item: tuple[int, str, list | None]) -> str:
+            i, text, logprobs = item
+            sent[i] += len(logprobs or [])
+            return f"data: {json.dumps(chunk(i, text, logprobs))}\n\n"
+
         try:
-            while True:
+            while len(ended) < len(dones):
                 getter = getter or asyncio.ensure_future(texts.get())
-                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                running = {d for i, d in enumerate(dones) if i not in ended}
+                finished, _ = await asyncio.wait({getter} | running, return_when=asyncio.FIRST_COMPLETED)
                 if getter in finished:
-                    text, getter = getter.result(), None
-                    yield f"data: {json.dumps(chunk(text))}\n\n"
+                    item, getter = getter.result(), None
+                    yield piece(item)
                     continue
-                while not texts.empty():
-                    yield f"data: {json.dumps(chunk(texts.get_nowait()))}\n\n"
-                last = final(done.result())
-                for event in last if isinstance(last, list) else [last]:
-                    yield f"data: {json.dumps(event)}\n\n"
-                yield "data: [DONE]\n\n"
-                return
+                while not texts.empty():  # a choice's text is queued before its end is seen
+                    yield piece(texts.get_nowait())
+                for i, done in enumerate(dones):
+                    if i not in ended and done.done():
+                        ended[i] = done.result()
+                        rest = None if ended[i].logprobs is None else ended[i].logprobs[sent[i]:]
+                        last = final(i, ended[i], rest)
+                        for event in last if isinstance(last, list) else [last]:
+                            yield f"data: {json.dumps(event)}\n\n"
+            for event in end([ended[i] for i in range(len(dones))]) if end is not None else []:
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             if getter is not None:
                 getter.cancel()
-            pending.cancelled.set()  # no-op once finished; frees the row if the client left
+            for pending in pendings:
+                pending.cancelled.set()  # no-op once finished; frees the row if the client left
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", **(headers or {})})

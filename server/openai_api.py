@@ -2,10 +2,14 @@
 
 The profile is chosen by `model` (a profile name, or `base`) or by an `unlearning_profile` field.
 Sampling: temperature, top_p, vLLM's top_k and min_p, presence and frequency penalties, seed, stop,
-`n` choices (and completions' lists of prompts or token ids), `echo`; applied after the profile's
-tilt, on the distribution actually sampled. Fields that would change the answer and that Lethe does
-not implement (`logprobs`, `repetition_penalty`, `logit_bias`, `tools`, a `response_format` other
-than text, `best_of`, `suffix`) are refused with a 400 naming them; others (`user`, ...) are ignored.
+`n` choices, streamed too (and completions' lists of prompts or of token ids, fed as given), `echo`;
+applied after the profile's tilt, on the distribution actually sampled. `logprobs` / `top_logprobs` are
+those of the distribution each token was drawn from, after the tilt (`heads.decoding.logprobs`); with
+`lethe_untilted_logprobs` the base model's come too. Completions' `echo` with `logprobs` scores the
+prompt (`max_tokens: 0` for the prompt alone, as lm-evaluation-harness asks). Fields that would change
+the answer and that Lethe does not implement (`repetition_penalty`, `logit_bias`, `tools`, a
+`response_format` other than text, `best_of`, `suffix`) are refused with a 400 naming them; others
+(`user`, ...) are ignored.
 
 Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message", "type", "param",
 "code"}}`, and a request the schema refuses is 400 (the native API keeps FastAPI's 422 and
@@ -23,8 +27,10 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import ConfigDict, Field, StrictBool
 
 from lethe.heads.decoding.decode import Completion
+from lethe.heads.decoding.logprobs import TokenLogprob
 from lethe.heads.records import PROMPT_FORMAT
-from lethe.heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K, SamplingParams
+from lethe.heads.decoding.sampling import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K,
+                                           SamplingParams)
 from lethe.server.auth import optional_tenant
 from lethe.server.generation import admit, check_token_ids, complete, field_error, stream
 from lethe.server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
@@ -84,6 +90,8 @@ class OpenAIRequest(ValidText):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     unlearning_profile: str | None = Field(None, max_length=200)
+    lethe_untilted_logprobs: StrictBool = Field(
+        False, description="Lethe's: with logprobs, also the base model's own (`lethe_untilted_logprobs` per choice).")
     # accepted only at their neutral values: anything else is a 400 naming the field, never silently ignored
     repetition_penalty: float | None = None
     logit_bias: dict | None = None
@@ -102,8 +110,6 @@ class OpenAIRequest(ValidText):
         for name, bad in refused.items():
             if bad:
                 raise field_error(name, f"{name} is not supported by this server", 400)
-        if self.stream and choices > 1:
-            raise field_error("n", "streaming gives one choice: n = 1 and one prompt", 400)
 
     def profile(self, served: str | None = None) -> str | None:
         """The profile asked for: `unlearning_profile`, else `model` unless it names the base model (`base`, or the
@@ -112,43 +118,66 @@ class OpenAIRequest(ValidText):
             return self.unlearning_profile
         return None if self.model in ("base", "") or self.model == served else self.model
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per new token, alternatives per prompt token); None: no log-probabilities."""
+        return None, None
+
     def sampling(self, default_max: int, choice: int = 0) -> SamplingParams:
         """The choice'th sampling settings: with a seed, choice i draws with seed + i (n > 1 differ, yet repeat)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(max_new_tokens=self.max_tokens or default_max, temperature=self.temperature,
-                              top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              seed=None if self.seed is None else self.seed + choice, stop=[s for s in stop if s])
+        logprobs, prompt_logprobs = self.logprob_counts()
+        return SamplingParams(max_new_tokens=default_max if self.max_tokens is None else self.max_tokens,
+                              temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                              min_p=self.min_p, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              seed=None if self.seed is None else self.seed + choice, stop=[s for s in stop if s],
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              untilted_logprobs=self.lethe_untilted_logprobs and logprobs is not None)
 
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A prompt, a list of prompts (a choice each), or token ids (one list, or a list of lists).")
-    logprobs: int | None = None
+        description="A prompt, a list of prompts (a choice each), or token ids (one list, or a list of lists), "
+                    "fed to the model exactly as given.")
+    max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS, description="0 (with echo): the prompt alone.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "Each token's log-probability and this many likeliest alternatives; with echo, the prompt's tokens too."))
     echo: StrictBool = Field(False, description="Put the prompt before the completion's text.")
     suffix: str | None = None
 
-    def prompts(self, tokenizer) -> list[str]:
-        """The prompts as text (token ids decoded with the model's tokenizer); each non-empty and bounded."""
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: text, or token ids (checked by `check_prompts`); at least one, at most MAX_N."""
         items = [self.prompt] if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)) \
             else list(self.prompt)
         if not items or len(items) > MAX_N:
             raise field_error("prompt", f"give 1 to {MAX_N} prompts", 400)
-        for ids in (p for p in items if not isinstance(p, str)):
-            check_token_ids(tokenizer, ids, "prompt", 400)
-        # token ids become text and are tokenized again with the prompt (a known gap: the ids are not fed as given)
-        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in items]
-        for text in texts:
-            if not text or len(text) > MAX_PROMPT_CHARS:
-                raise field_error("prompt", f"a prompt must have 1 to {MAX_PROMPT_CHARS} characters", 400)
-        return texts
+        return items
+
+    def check_prompts(self, tokenizer) -> list[str | list[int]]:
+        items = self.prompts()
+        for p in items:
+            if not p or len(p) > MAX_PROMPT_CHARS:
+                raise field_error("prompt", f"a prompt must have 1 to {MAX_PROMPT_CHARS} characters or tokens", 400)
+            if not isinstance(p, str):
+                check_token_ids(tokenizer, p, "prompt", 400)
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "must be at least 1 (0 only with echo: the prompt alone)", 400)
+        return items
 
 
 class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1, max_length=10_000)
     max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool | None = Field(None, description="Each new token's log-probability (`choices[].logprobs`).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: alternatives per token.")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise field_error("top_logprobs", "top_logprobs needs logprobs: true", 400)
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 def _asked(body: OpenAIRequest, request: Request) -> str | None:
@@ -170,13 +199,6 @@ def _envelope(head: dict, used: dict, choice: dict | list[dict] | None, usage: d
     return {**head, "choices": choices, **used} | ({"usage": usage} if usage else {})
 
 
-def _stream_end(body: OpenAIRequest, last: dict, usage: dict, envelope) -> list[dict]:
-    """The final chunk (finish reason), and with `stream_options.include_usage` OpenAI's usage chunk (no choices)."""
-    if body.stream_options is not None and body.stream_options.include_usage:
-        return [last, envelope(None, usage)]
-    return [last]
-
-
 def chat_prompt(tokenizer, messages: list[Message]) -> str:
     """The tokenizer's chat template when it has one; else Lethe's question-answer format."""
     turns = [{"role": m.role, "content": m.text()} for m in messages]
@@ -194,31 +216,44 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
     return prompt if prompt.endswith("Answer:") else prompt + "Answer:"
 
 
-async def _choices(request: Request, tenant_id: str | None, body: OpenAIRequest, prompts: list[str],
-                   default_max: int, fields: tuple[str, str]) -> tuple[list[tuple[int, str, Completion]], object]:
-    """Every choice decoded (n per prompt, in one batch with everyone else's rows): (index, prompt, completion)
-    in order, and the first choice's resolved profile (all resolve the same profile name)."""
+Choice = tuple[int, "str | list[int]", SamplingParams, object]  # (index, prompt, settings, resolved profile)
+
+
+async def _admit_choices(request: Request, tenant_id: str | None, body: OpenAIRequest, prompts: list,
+                         default_max: int, fields: tuple[str, str]) -> list[Choice]:
+    """Every choice (n per prompt) admitted, its profile version pinned; all or none (a refused one gives back
+    what the others hold)."""
     queue = request.app.state.engine.queue.maxsize
     if len(prompts) * body.n > queue:  # could never be admitted together: say so, not 429 for ever
         raise field_error("n", f"{len(prompts) * body.n} choices exceed this server's queue of {queue} requests", 400)
-
-    async def one(index: int, prompt: str, choice: int):
-        params = body.sampling(default_max, choice)
-        resolved, _ = await admit(request, tenant_id, prompt, params, _asked(body, request), fields)
-        return resolved, (index, prompt, await complete(request, prompt, params, resolved))
-
-    tasks = [asyncio.ensure_future(one(i * body.n + j, p, j)) for i, p in enumerate(prompts) for j in range(body.n)]
+    wanted = [(i * body.n + j, p, body.sampling(default_max, j)) for i, p in enumerate(prompts) for j in range(body.n)]
+    tasks = [asyncio.ensure_future(admit(request, tenant_id, p, params, _asked(body, request), fields))
+             for _, p, params in wanted]
     try:
-        done = await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:  # one choice failed (a full queue, say): the others stop too, their rows freed
+        for task in tasks:  # what was admitted is given back, now or when its admission ends
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or t.result()[0].done())
+            task.cancel()
+        raise
+    return [(i, p, params, task.result()[0]) for (i, p, params), task in zip(wanted, tasks)]
+
+
+async def _complete_all(request: Request, choices: list[Choice]) -> list[Completion]:
+    """Every admitted choice decoded, in one batch with everyone else's rows."""
+    tasks = [asyncio.ensure_future(complete(request, p, params, resolved)) for _, p, params, resolved in choices]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:  # one choice failed (or the client left): the others stop too, their rows freed
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for *_, resolved in choices:
+            resolved.done()  # choices whose task never started
         raise
-    return [c for _, c in done], done[0][0]
 
 
-def _default_max(request: Request, prompt: str, default: int) -> int:
+def _default_max(request: Request, prompt, default: int) -> int:
     """New tokens for a request without max_tokens: `default`, or what the context leaves after the prompt."""
     engine = request.app.state.engine
     return max(1, min(default, engine.context_length - engine.count_tokens(prompt)))
@@ -230,44 +265,115 @@ def _usage(*completions: Completion) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
+def _decoder(request: Request, entries) -> dict[int, str]:
+    """The text of each token the log-probability entries name (chosen and alternatives), one token at a time."""
+    ids = {t for t, e in entries} | {a for _, e in entries if e is not None for a, _ in e.top}
+    engine = request.app.state.engine
+    with engine.tokenizer_lock:
+        return {t: engine.lm.tokenizer.decode([t]) for t in ids}
+
+
+def completion_logprobs(request: Request, entries: list[tuple[int, TokenLogprob | None]], offset: int = 0) -> dict:
+    """OpenAI's completions `logprobs`: tokens, their log-probabilities (None for a prompt's first token), the
+    likeliest alternatives (the chosen token included, as vLLM gives them) and each token's offset in the text."""
+    text = _decoder(request, entries)
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in entries:
+        out["tokens"].append(text[token])
+        out["token_logprobs"].append(None if entry is None else entry.logprob)
+        out["top_logprobs"].append(None if entry is None else
+                                   {text[a]: lp for a, lp in entry.top} | {text[token]: entry.logprob})
+        out["text_offset"].append(offset)
+        offset += len(text[token])
+    return out
+
+
+def chat_logprobs(request: Request, entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat `logprobs`: per token its text, log-probability, UTF-8 bytes and the likeliest alternatives."""
+    text = _decoder(request, [(e.token, e) for e in entries])
+
+    def item(token: int, logprob: float) -> dict:
+        return {"token": text[token], "logprob": logprob, "bytes": list(text[token].encode("utf-8"))}
+
+    return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(a, lp) for a, lp in e.top]}
+                        for e in entries]}
+
+
+def _generated(c: Completion, untilted: bool = False) -> list[tuple[int, TokenLogprob]]:
+    entries = c.untilted_logprobs if untilted else c.logprobs
+    return [(e.token, e) for e in entries or []]
+
+
+def _prompt_entries(c: Completion, untilted: bool = False) -> list[tuple[int, TokenLogprob | None]]:
+    entries = c.untilted_prompt_logprobs if untilted else c.prompt_logprobs
+    return list(zip(c.prompt_ids or [], entries or []))
+
+
+def _echoed(request: Request, prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    engine = request.app.state.engine
+    with engine.tokenizer_lock:
+        return engine.lm.tokenizer.decode(prompt)
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response,
                       tenant_id: str | None = Depends(optional_tenant)):
     """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
-    prompts = body.prompts(request.app.state.engine.lm.tokenizer)
+    prompts = body.check_prompts(request.app.state.engine.lm.tokenizer)
     body.checks(len(prompts) * body.n)
-    if body.logprobs is not None:
-        raise field_error("logprobs", "logprobs are not supported", 400)
+    if body.stream and body.echo and body.logprobs is not None:
+        raise field_error("logprobs", "the prompt's logprobs (echo with logprobs) are not streamed: "
+                                      "ask without stream", 400)
     if body.suffix:
         raise field_error("suffix", "suffix is not supported by this server", 400)
-    default_max = 16 if body.max_tokens else _default_max(request, max(prompts, key=len), 16)
+    default_max = 16 if body.max_tokens is not None else _default_max(request, max(prompts, key=len), 16)
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
+    choices = await _admit_choices(request, tenant_id, body, prompts, default_max, ("prompt", "max_tokens"))
+    used, headers = _profile(choices[0][3])
+    echoes = {i: _echoed(request, p) if body.echo else "" for i, p, _, _ in choices}
 
-    def envelope(used: dict, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
-        return _envelope(head, used, choice, usage)
+    def logprobs(c: Completion, generated: list, untilted: bool = False) -> dict | None:
+        if body.logprobs is None:
+            return None
+        prompt = _prompt_entries(c, untilted) if body.echo else []
+        return completion_logprobs(request, prompt + generated)
+
+    def choice(i: int, c: Completion) -> dict:
+        out = {"index": i, "text": echoes[i] + c.text, "finish_reason": c.finish_reason,
+               "logprobs": logprobs(c, _generated(c))}
+        if body.lethe_untilted_logprobs and body.logprobs is not None:
+            out["lethe_untilted_logprobs"] = logprobs(c, _generated(c, True), True)
+        return out
 
     if body.stream:
-        params = body.sampling(default_max)
-        resolved, _ = await admit(request, tenant_id, prompts[0], params, _asked(body, request),
-                                  ("prompt", "max_tokens"))
-        used, headers = _profile(resolved)
-        echoed = [body.echo]
+        started: set[int] = set()
 
-        def piece(text: str) -> dict:  # with echo, the prompt comes first, in the first chunk
-            text, echoed[0] = (prompts[0] + text if echoed[0] else text), False
-            return envelope(used, {"index": 0, "text": text, "finish_reason": None, "logprobs": None})
+        def piece(i: int, text: str, entries: list | None, finish: str | None = None) -> dict:
+            """Choice i's next text (the echoed prompt first, in its first chunk) and its tokens' logprobs."""
+            index = choices[i][0]
+            first = index not in started
+            started.add(index)
+            lp = None if body.logprobs is None else completion_logprobs(request, [(e.token, e) for e in entries or []])
+            return _envelope(head, used, {"index": index, "text": (echoes[index] if first else "") + text,
+                                          "finish_reason": finish, "logprobs": lp})
 
-        return stream(request, prompts[0], params, resolved, piece,
-                      lambda c: _stream_end(body, envelope(used, {"index": 0, "text": prompts[0] if echoed[0] else "",
-                                                                  "logprobs": None, "finish_reason": c.finish_reason}),
-                                            _usage(c),
-                                            lambda choice, usage: envelope(used, choice, usage)), headers)
-    done, resolved = await _choices(request, tenant_id, body, prompts, default_max, ("prompt", "max_tokens"))
-    used, headers = _profile(resolved)
+        return stream(request, [(p, params, r) for _, p, params, r in choices], piece,
+                      lambda i, c, rest: piece(i, "", rest, c.finish_reason),
+                      lambda done: _stream_usage(body, done, lambda usage: _envelope(head, used, None, usage)),
+                      headers)
+    done = await _complete_all(request, choices)
     response.headers.update(headers)
-    return envelope(used, [{"index": i, "text": (p if body.echo else "") + c.text, "finish_reason": c.finish_reason,
-                            "logprobs": None} for i, p, c in done], _usage(*(c for _, _, c in done)))
+    return _envelope(head, used, [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(*done))
+
+
+def _stream_usage(body: OpenAIRequest, done: list[Completion], envelope) -> list[dict]:
+    """With `stream_options.include_usage`, OpenAI's last chunk: usage of every choice, and no choices."""
+    if body.stream_options is not None and body.stream_options.include_usage:
+        return [envelope(_usage(*done))]
+    return []
 
 
 @router.post("/v1/chat/completions")
@@ -275,44 +381,56 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
                            tenant_id: str | None = Depends(optional_tenant)):
     """OpenAI-compatible chat; the tokenizer's chat template, else the Question/Answer format."""
     body.checks(body.n)
-    if body.logprobs or body.top_logprobs:
-        raise field_error("logprobs", "logprobs are not supported", 400)
+    body.logprob_counts()  # top_logprobs without logprobs is refused before anything is admitted
     if body.max_completion_tokens:  # OpenAI's newer name wins over the deprecated max_tokens, as in vLLM
         body.max_tokens = body.max_completion_tokens
     prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
     default_max = 64 if body.max_tokens else _default_max(request, prompt, 64)
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    choices = await _admit_choices(request, tenant_id, body, [prompt], default_max, ("messages", "max_tokens"))
+    used, headers = _profile(choices[0][3])
 
-    def envelope(used: dict, obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
+    def envelope(obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
         return _envelope({"id": rid, "object": obj, "created": created, "model": body.model}, used, choice, usage)
 
+    def logprobs(entries: list[TokenLogprob] | None) -> dict | None:
+        return None if entries is None else chat_logprobs(request, entries)
+
     if body.stream:
-        params = body.sampling(default_max)
-        resolved, _ = await admit(request, tenant_id, prompt, params, _asked(body, request),
-                                  ("messages", "max_tokens"))
-        used, headers = _profile(resolved)
-        state = {"role_sent": False, "started": False}
+        role_sent: set[int] = set()
+        started: set[int] = set()
 
-        def delta(text: str) -> dict:
-            """The role once, in the first chunk, as OpenAI sends it; the answer's leading spaces dropped, as in
-            the non-streamed message, so both give the same text."""
-            if not state["started"]:
+        def delta(i: int, text: str, entries: list | None) -> dict:
+            """The role once per choice, in its first chunk, as OpenAI sends it; the answer's leading spaces
+            dropped, as in the non-streamed message, so both give the same text."""
+            index = choices[i][0]
+            if index not in started:
                 text = text.lstrip()
-                state["started"] = bool(text)
-            d = {"content": text} if state["role_sent"] else {"role": "assistant", "content": text}
-            state["role_sent"] = True
-            return envelope(used, "chat.completion.chunk", {"index": 0, "delta": d, "finish_reason": None})
+                if text:
+                    started.add(index)
+            d = {"content": text} if index in role_sent else {"role": "assistant", "content": text}
+            role_sent.add(index)
+            out = {"index": index, "delta": d, "finish_reason": None}
+            return envelope("chat.completion.chunk", out | ({"logprobs": logprobs(entries)} if body.logprobs else {}))
 
-        return stream(request, prompt, params, resolved, delta,
-                      lambda c: _stream_end(body, envelope(used, "chat.completion.chunk", {
-                          "index": 0, "delta": {}, "finish_reason": c.finish_reason}), _usage(c),
-                          lambda choice, usage: envelope(used, "chat.completion.chunk", choice, usage)), headers)
-    done, resolved = await _choices(request, tenant_id, body, [prompt], default_max, ("messages", "max_tokens"))
-    used, headers = _profile(resolved)
+        def last(i: int, c: Completion, rest: list | None) -> dict:
+            out = {"index": choices[i][0], "delta": {}, "finish_reason": c.finish_reason}
+            return envelope("chat.completion.chunk", out | ({"logprobs": logprobs(rest)} if body.logprobs else {}))
+
+        return stream(request, [(p, params, r) for _, p, params, r in choices], delta, last,
+                      lambda done: _stream_usage(body, done, lambda usage: envelope("chat.completion.chunk", None,
+                                                                                     usage)), headers)
+    done = await _complete_all(request, choices)
     response.headers.update(headers)
-    return envelope(used, "chat.completion", [
-        {"index": i, "message": {"role": "assistant", "content": c.text.lstrip()}, "finish_reason": c.finish_reason}
-        for i, _, c in done], _usage(*(c for _, _, c in done)))
+
+    def choice(i: int, c: Completion) -> dict:
+        out = {"index": i, "message": {"role": "assistant", "content": c.text.lstrip()},
+               "finish_reason": c.finish_reason, "logprobs": logprobs(c.logprobs)}
+        if body.lethe_untilted_logprobs and body.logprobs:
+            out["lethe_untilted_logprobs"] = logprobs(c.untilted_logprobs)
+        return out
+
+    return envelope("chat.completion", [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(*done))
 
 
 def _model(name: str) -> dict:

@@ -315,7 +315,7 @@ def test_openai_errors_have_openai_shape(live, tenant_a):
         client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=10**9)
     assert e.value.param == "max_tokens" and e.value.type == "invalid_request_error" and "max_tokens" in str(e.value)
     for refused in ({"logit_bias": {"5": 10}}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-                    {"response_format": {"type": "json_object"}}, {"logprobs": True}):
+                    {"response_format": {"type": "json_object"}}, {"top_logprobs": 2}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            **refused)

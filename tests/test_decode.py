@@ -120,7 +120,7 @@ def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
     try:
         params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
         leaving = Pending("Question: Who?\nAnswer:", params)
-        leaving.on_text = lambda _t: leaving.cancelled.set()  # the client leaves after its first text
+        leaving.on_text = lambda _t, _lp: leaving.cancelled.set()  # the client leaves after its first text
         staying = Pending("Question: Who?\nAnswer:", params)
         engine.submit(leaving)
         engine.submit(staying)

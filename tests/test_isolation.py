@@ -167,10 +167,10 @@ def test_a_row_that_raises_fails_alone_and_the_others_decode_as_alone(tiny_lm, m
         alone = [engine.submit(Pending(p, params)).future.result(60).text for p in prompts]
         real_append = Batch._append
 
-        def append(self, row, token):  # the second prompt's row raises once it has a few tokens
+        def append(self, row, token, *rest):  # the second prompt's row raises once it has a few tokens
             if row.params.seed == 666 and len(row.token_ids) >= 3:
                 raise RuntimeError("injected row failure")
-            return real_append(self, row, token)
+            return real_append(self, row, token, *rest)
 
         monkeypatch.setattr(Batch, "_append", append)
         bad = SamplingParams(max_new_tokens=16, temperature=0, seed=666)
@@ -266,16 +266,30 @@ def test_deleting_weights_in_use_pins_them_until_the_rows_end(served, tmp_path, 
     spec = {"backend": "asu", "weights": w}
     expected = client.post("/generate", json={"prompt": prompt, "profile": spec, "temperature": 0,
                                               "max_new_tokens": 64}, headers=alice).json()["text"]
-    # the adapter is LRU-evicted only when unpinned; here: delete while 4 rows decode with it
+    # the adapter is LRU-evicted only when unpinned; here: delete while 4 rows decode with it (each has sent its
+    # first text, so each was admitted and pinned the weights before the delete)
+    started = threading.Barrier(5)
+
+    def row() -> str:
+        text, first = "", True
+        with client.stream("POST", "/generate", json={"prompt": prompt, "profile": spec, "temperature": 0,
+                                                      "max_new_tokens": 64, "stream": True}, headers=alice) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    if first:
+                        started.wait(30)
+                        first = False
+                    text += json.loads(line[6:])["text"]
+        return text
+
     with ThreadPoolExecutor(4) as pool:
-        rows = [pool.submit(client.post, "/generate", json={"prompt": prompt, "profile": spec, "temperature": 0,
-                                                            "max_new_tokens": 64}, headers=alice) for _ in range(4)]
-        time.sleep(0.05)
+        rows = [pool.submit(row) for _ in range(4)]
+        started.wait(30)
         deleted = client.delete(f"/v1/asu/{w}", headers=alice)
         answers = [r.result() for r in rows]
     assert deleted.status_code == 204
-    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
-    assert {a.json()["text"] for a in answers} == {expected}
+    assert set(answers) == {expected}
     r = client.post("/generate", json={"prompt": prompt, "profile": spec}, headers=alice)
     assert r.status_code == 404
     deadline = time.time() + 10  # detached once the last row ended

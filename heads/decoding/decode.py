@@ -20,8 +20,10 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from lethe.heads.decoding.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lethe.heads.decoding.repeats import ban_repeats, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
+from lethe.heads.t3.guide import whole_vocabulary
 
 
 class Guide(Protocol):
@@ -40,6 +42,13 @@ class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     prompt_tokens: int
+    # with SamplingParams.logprobs / prompt_logprobs (`heads.decoding.logprobs`): one entry per token of
+    # `token_ids` / of `prompt_ids` (the prompt's first is None); `untilted_*`: the base model's, when asked
+    logprobs: list[TokenLogprob] | None = None
+    untilted_logprobs: list[TokenLogprob] | None = None
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -67,11 +76,24 @@ def next_logits(model, hidden_last: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(model, input_ids, attention_mask, cache):
-    """Run the prompts; return (last-position hidden, sum of hidden over real tokens, real-token count)."""
+    """Run the prompts; return (last-position hidden, sum of hidden over real tokens, real-token count, every
+    position's hidden (B, L, d))."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = forward_last_hidden(model, input_ids, attention_mask, position_ids, cache)
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return hidden[:, -1], (hidden * mask).sum(1).float(), attention_mask.sum(1)
+    return hidden[:, -1], (hidden * mask).sum(1).float(), attention_mask.sum(1), hidden
+
+
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts as one left-padded (B, L) batch and its attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.Tensor:
@@ -89,36 +111,72 @@ class Row:
     finish_reason: str | None = None
     error: Exception | None = None  # why this row failed (finish_reason "error"); the other rows go on
     forced: list[int] | None = None  # a reply the guide chose for this row (abstention), decoded token by token
+    prompt_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # when its params ask for them: one per token of token_ids
+    untilted_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def completion(self) -> Completion:
+        asked = self.params.prompt_logprobs is not None
+        return Completion(self.text, self.token_ids, self.finish_reason or "length", self.prompt_tokens,
+                          self.logprobs, self.untilted_logprobs, self.prompt_ids if asked else None,
+                          self.prompt_logprobs, self.untilted_prompt_logprobs)
 
 
 class Batch:
     """Requests that decode together. `step()` adds one token to every unfinished row."""
 
-    def __init__(self, model, tokenizer, prompts: list[str], params: list[SamplingParams],
+    def __init__(self, model, tokenizer, prompts: list[str | list[int]], params: list[SamplingParams],
                  guide: Guide | None = None, adapters: list[str] | None = None):
-        """`adapters`: per row, the name of the ASU adapter to decode with (`__base__`: none)."""
+        """`prompts`: text, or token ids fed exactly as given. `adapters`: per row, the name of the ASU adapter
+        to decode with (`__base__`: none)."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
         self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
         self.eos = eos_ids(model, tokenizer)
         device = next(model.parameters()).device
-        tokenizer.padding_side = "left"
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        input_ids, self.attention_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        counts = self.attention_mask.sum(1).tolist()
-        if min(counts) == 0:  # an empty prompt: start from BOS (or EOS) so there is a position to predict from
+        encoded = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False)["input_ids"]
+                   for p in prompts]
+        if min(len(p) for p in encoded) == 0:  # no position to predict from
             raise ValueError("a prompt encodes to no tokens")
-        self.rows = [Row(p, int(c), make_generator(p.seed, device)) for p, c in zip(params, counts)]
+        input_ids, self.attention_mask = left_padded(encoded, tokenizer.pad_token_id or 0, device)
+        self.rows = [Row(p, len(ids), make_generator(p.seed, device), prompt_ids=ids) for p, ids in zip(params, encoded)]
         self.temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
         self.top_k = torch.tensor([p.top_k for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
         self.min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
         self.cache = DynamicCache(config=model.config)
         with torch.inference_mode(), self._adapters():
-            last, self.pooled_sum, count = prefill(model, input_ids, self.attention_mask, self.cache)
+            last, self.pooled_sum, count, hidden = prefill(model, input_ids, self.attention_mask, self.cache)
+            self._score_prompts(hidden)
         self.positions = count - 1
         self.count = count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
         self._last_hidden = last
+        for row in self.rows:
+            if row.params.max_new_tokens == 0:  # the prompt alone: finished before its first step
+                row.finish_reason = "length"
+            if row.params.logprobs is not None:
+                row.logprobs = []
+                row.untilted_logprobs = [] if row.params.untilted_logprobs else None
+
+    def _score_prompts(self, hidden: torch.Tensor) -> None:
+        """The prompt log-probabilities the rows ask for, from the prefill's hidden states (B, L, d)."""
+        lm_head = self.model.get_output_embeddings()
+        for i, row in enumerate(self.rows):
+            if row.params.prompt_logprobs is None:
+                continue
+            ids = torch.tensor(row.prompt_ids, device=hidden.device)
+            entry = self._head_of(i)
+            guided = None if entry is None else (lambda logits, pooled, e=entry: whole_vocabulary(*e, logits, pooled))
+            row.prompt_logprobs, row.untilted_prompt_logprobs = prompt_logprobs(
+                lm_head, hidden[i, hidden.size(1) - len(ids):], ids, row.params.prompt_logprobs, guided,
+                row.params.untilted_logprobs)
+
+    def _head_of(self, i: int):
+        """Row i's (head, settings), when its guide has per-row heads (None: no head, or not known)."""
+        row = getattr(self.guide, "row", None)
+        return row(i) if row is not None else None
 
     def _adapters(self):
         if self.adapters is None:  # the common case: no per-row adapters, nothing to set up per step
@@ -142,6 +200,8 @@ class Batch:
         What is per row (the guide's head and settings, sampling, detokenising) fails per row: a row that
         raises there finishes with reason "error" and its exception in `Row.error`; the others go on."""
         logits = next_logits(self.model, self._last_hidden)
+        untilted = [i for i, r in enumerate(self.rows) if r.untilted_logprobs is not None and not r.finish_reason]
+        base = logits[untilted] if untilted else None  # a copy: the guide may write into its buffers
         if self.guide is not None:
             logits = self._guided(logits)
         logits = penalize(logits, [r.token_ids for r in self.rows], [r.params.presence_penalty for r in self.rows],
@@ -151,12 +211,13 @@ class Batch:
                         self.min_p)
         for i, error in failed.items():
             self.fail(i, error)
+        logged = self._logprobs(logits, tokens, untilted, base)
         emitted: list[int | None] = []
         for i, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
             emitted.append(None if row.finish_reason else token)
             if row.finish_reason is None:
                 try:
-                    self._append(row, token)
+                    self._append(row, token, logged.get(i))
                 except Exception as e:
                     self.fail(i, e)
         if not self.done:
@@ -168,6 +229,26 @@ class Batch:
             self.count = self.count + 1
             self._last_hidden = hidden
         return emitted
+
+    def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor, untilted: list[int],
+                  base: torch.Tensor | None) -> dict[int, tuple[TokenLogprob, TokenLogprob | None]]:
+        """For the rows that ask: each chosen token's log-probability under the scores it was drawn from, and
+        (rows in `untilted`, whose base logits are `base`) under the base model's."""
+        asking = [i for i, r in enumerate(self.rows) if r.logprobs is not None and not r.finish_reason]
+        if not asking:
+            return {}
+        top = max(self.rows[i].params.logprobs for i in asking)
+        index = torch.tensor(asking, device=scores.device)
+        out = dict(zip(asking, ((e, None) for e in token_logprobs(scores[index], tokens[index], top))))
+        if base is not None:
+            for i, entry in zip(untilted, token_logprobs(base, tokens[torch.tensor(untilted, device=base.device)], top)):
+                if i in out:
+                    out[i] = (out[i][0], entry)
+        for i, (entry, other) in out.items():
+            for e in (entry, other):
+                if e is not None:
+                    e.top = e.top[: self.rows[i].params.logprobs]
+        return out
 
     def _guided(self, logits: torch.Tensor) -> torch.Tensor:
         """The guide's scores, with the repeat guard and forced replies it asks for. If the guide raises, each
@@ -225,11 +306,15 @@ class Batch:
         if row.finish_reason is None:
             row.finish_reason, row.error = "error", error
 
-    def _append(self, row: Row, token: int) -> None:
+    def _append(self, row: Row, token: int, logged: tuple[TokenLogprob, TokenLogprob | None] | None = None) -> None:
         if token in self.eos and not row.params.ignore_eos:
             row.finish_reason = "stop"
             return
         row.token_ids.append(token)
+        if logged is not None:
+            row.logprobs.append(logged[0])
+            if row.untilted_logprobs is not None and logged[1] is not None:
+                row.untilted_logprobs.append(logged[1])
         row.text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
         if row.forced and len(row.token_ids) >= len(row.forced):  # the whole reply is out: it ends here
             row.finish_reason = "stop"
@@ -309,7 +394,7 @@ class Batch:
         return keep
 
     def completions(self) -> list[Completion]:
-        return [Completion(r.text, r.token_ids, r.finish_reason or "length", r.prompt_tokens) for r in self.rows]
+        return [r.completion() for r in self.rows]
 
 
 def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list[SamplingParams],

@@ -18,6 +18,7 @@ MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: below this, logits / temperature overflows; decode greedily
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
+MAX_LOGPROBS = 20  # alternatives per position (vLLM's default max_logprobs; OpenAI's chat allows 20)
 
 
 @dataclass
@@ -32,11 +33,18 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p x the best token's probability (after temperature); 0: off
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token the answer already holds
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the answer
+    logprobs: int | None = None  # each new token's log-probability and this many likeliest others' (None: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: none)
+    untilted_logprobs: bool = False  # also the base model's own log-probabilities at the same positions
 
     def __post_init__(self):
         """Checked wherever they are made (HTTP, CLI, Python), so no value reaches a batch that fails it."""
-        for name, low, high in (("max_new_tokens", 1, MAX_NEW_TOKENS), ("top_k", 0, MAX_TOP_K)):
+        # max_new_tokens 0: the prompt alone (its log-probabilities, say), nothing generated
+        for name, low, high in (("max_new_tokens", 0, MAX_NEW_TOKENS), ("top_k", 0, MAX_TOP_K),
+                                ("logprobs", 0, MAX_LOGPROBS), ("prompt_logprobs", 0, MAX_LOGPROBS)):
             value = getattr(self, name)
+            if value is None and name.endswith("logprobs"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name}: must be an integer in [{low}, {high}], got {value!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

@@ -1,7 +1,7 @@
 """Teacher-forced scoring: the mean per-token NLL of completions under a model, with or without a T3 head.
 
 With a head, each position's distribution is the profile's guided one
-(`heads.t3.tilt.tilt`, without the candidate restriction: like top-k, that is a
+(`heads.t3.guide.whole_vocabulary`, without the candidate restriction: like top-k, that is a
 decoding truncation, and a truncated distribution gives some answers zero
 probability). The pooled state at each position is the running mean of the
 final hidden states up to it, exactly as during decoding.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from lethe.heads.decoding.decode import forward_last_hidden
-from lethe.heads.t3.guide import TiltSettings
+from lethe.heads.decoding.logprobs import running_mean
+from lethe.heads.t3.guide import TiltSettings, whole_vocabulary
 from lethe.heads.t3.head import T3Head
 from lethe.heads.records import Example, encode_example
-from lethe.heads.t3.tilt import tilt
 
 
 @torch.inference_mode()
@@ -45,14 +45,8 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
             span = slice(n_prompt - 1, len(seq) - 1)  # positions that predict completion tokens
             logits = lm_head(hidden[r, span]).float()
             if head is not None:
-                h = hidden[r, : len(seq) - 1].float()
-                pooled = (h.cumsum(0) / torch.arange(1, len(h) + 1, device=device)[:, None])[span]
-                s = settings or TiltSettings()
-                n = len(logits)
-                full = lambda v: torch.full((n,), float(v), device=device)  # noqa: E731
-                gate = head.forget_probability(pooled) if s.gate else None
-                cap = full(s.cap) if s.cap is not None else None
-                logits = tilt(logits, head(pooled), full(s.T), full(s.lam), gate, cap=cap)
+                pooled = running_mean(hidden[r, : len(seq) - 1])[span]
+                logits = whole_vocabulary(head, settings or TiltSettings(), logits, pooled)
             target = ids[r, n_prompt:len(seq)]
             out[i] = float(torch.nn.functional.cross_entropy(logits, target))
     return out

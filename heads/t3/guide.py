@@ -99,6 +99,17 @@ PRESETS = {
 }
 
 
+def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """The profile's scores over the whole vocabulary at some positions, for scoring: (n, V) base logits and (n, d)
+    pooled states -> (n, V). Gate, tempering, tilt and cap; no candidate restriction and no min-p floor (decoding
+    truncations: like top-k, they would give some tokens, a forgotten answer included, no probability at all)."""
+    n, device = len(logits), logits.device
+    full = lambda value: torch.full((n,), float(value), device=device)  # noqa: E731
+    gate = head.forget_probability(pooled) if settings.gate else None
+    cap = full(settings.cap) if settings.cap is not None else None
+    return tilt(logits, head(pooled), full(settings.T), full(settings.lam), gate, cap=cap)
+
+
 class HeadGuide:
     """A `Guide` for a batch whose rows may each carry a different head and settings (or none).
 
@@ -145,12 +156,16 @@ class HeadGuide:
             out[group.rows] = group(logits[group.rows], pooled[group.rows])
         return out
 
+    def row(self, i: int) -> tuple[T3Head, TiltSettings] | None:
+        """Row i's head and settings (None: no head)."""
+        return self.same if self.same is not None else self.rows[i]
+
     def abstentions(self, pooled: torch.Tensor, rows: list[int]) -> dict[int, str]:
         """Of `rows` (at their first step: pooled over the prompt alone), those whose settings abstain and whose
         head's probe gives P(forget) above `abstain_above`, with their reply."""
         out = {}
         for i in rows:
-            entry = self.same if self.same is not None else self.rows[i]
+            entry = self.row(i)
             if entry is None or entry[1].abstain is None or entry[0].probe is None:
                 continue
             head, settings = entry

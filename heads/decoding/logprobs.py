@@ -1,0 +1,71 @@
+"""Log-probabilities of tokens, as OpenAI's `logprobs` report them: each token's, and the likeliest others'.
+
+What they are the log-probabilities of:
+* a generated token: the distribution of the step that chose it, after the profile's tilt, the repeat guard,
+  a forced reply and the penalties (what the row samples from), before the caller's own temperature, top-k,
+  top-p and min-p, as OpenAI and vLLM report them. A default profile tilts among its candidates, so tokens
+  outside them have no probability (reported as `FLOOR`, JSON having no infinity).
+* a prompt token (`echo` with logprobs): the profile's distribution over the whole vocabulary at that position
+  (`heads.t3.guide.whole_vocabulary`, as `lethe eval` scores answers), so every token has a finite log-probability,
+  a forgotten answer included.
+* "untilted" ones (a Lethe extension): the base model's own distribution at the same positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FLOOR = -9999.0  # vLLM's stand-in for minus infinity
+PROMPT_CHUNK = 256  # prompt positions through the LM head at a time (each a vocabulary of floats)
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the likeliest tokens at this position, likeliest first (as many as asked)
+
+
+def _finite(value: float) -> float:
+    return FLOOR if math.isnan(value) or value < FLOOR else value
+
+
+def token_logprobs(scores: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """Per position (a row of `scores`, (n, V) logits or log-probabilities), the log-probability of its token
+    in `tokens` (n,) and the `top` likeliest tokens."""
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = logp.gather(1, tokens[:, None].long())[:, 0].tolist()
+    if top:
+        values, ids = logp.topk(min(top, logp.size(-1)), dim=-1)
+        alternatives = [[(t, _finite(v)) for t, v in zip(i, vs)] for i, vs in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [[] for _ in chosen]
+    return [TokenLogprob(t, _finite(v), a) for t, v, a in zip(tokens.tolist(), chosen, alternatives)]
+
+
+def running_mean(hidden: torch.Tensor) -> torch.Tensor:
+    """(L, d) -> (L, d): at each position the mean of the hidden states up to it, as the decode loop pools."""
+    hidden = hidden.float()
+    counts = torch.arange(1, len(hidden) + 1, device=hidden.device, dtype=hidden.dtype)[:, None]
+    return hidden.cumsum(0) / counts
+
+
+def prompt_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, top: int, guided=None,
+                    untilted: bool = False) -> tuple[list[TokenLogprob | None], list[TokenLogprob | None] | None]:
+    """A prompt's own tokens scored: `hidden` (L, d) its final hidden states, `ids` (L,) its tokens. The first
+    token has no log-probability (None), as in OpenAI's answers. `guided(logits, pooled)` turns the base
+    logits at some positions into the profile's (None: no profile). Returns (scored, untilted or None)."""
+    pooled = running_mean(hidden) if guided is not None else None
+    scored: list[TokenLogprob | None] = [None]
+    base: list[TokenLogprob | None] | None = [None] if untilted else None
+    for start in range(0, len(ids) - 1, PROMPT_CHUNK):
+        span = slice(start, min(start + PROMPT_CHUNK, len(ids) - 1))
+        logits = lm_head(hidden[span]).float()
+        targets = ids[span.start + 1:span.stop + 1]
+        if base is not None:
+            base += token_logprobs(logits, targets, top)
+        scored += token_logprobs(logits if guided is None else guided(logits, pooled[span]), targets, top)
+    return scored, base
