@@ -44,3 +44,22 @@ def test_readme_api_reference_is_the_generated_one():
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- api:start[^>]*-->\n(.*?)<!-- api:end -->", text, re.S)
     assert block and block.group(1) == markdown(), "run `lethe openapi --markdown` and paste it into the README"
+
+
+def test_readme_config_file_example_is_read_by_lethe_serve(tmp_path):
+    """The configuration file the operator section shows is one `lethe serve --config` reads (every name known)."""
+    from lethe.server.settings import Settings, read_config
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Operating a server"):]
+    example = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    path = tmp_path / "lethe.toml"
+    path.write_text(example)
+    values = read_config(path)
+    assert values["max_batch_size"] == 8 and values["served_model_name"] == "smollm2"
+    Settings(**{k: v for k, v in values.items() if k != "model"})  # values of the right types and bounds
+    from lethe.clients.cli import build_parser
+
+    parser = build_parser()
+    for line in re.findall(r"^lethe (tenants .*?)\s*(?:#|$)", section, re.M):  # every command shown parses
+        parser.parse_args(line.split())
