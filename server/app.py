@@ -196,7 +196,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         model = lm or load_model(settings.model, settings.device, settings.dtype)
-        store = Store(settings.data_dir)
+        store = Store(settings.data_dir, settings.database_url)
         removed = clean_temporary_files(store)
         if removed:
             log.warning("removed %d files left by an interrupted write", removed)

@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(16, gt=0, description="Requests decoded together at most.")
     max_queue: int = Field(256, gt=0, description="Requests waiting at most; more answer 429.")
     data_dir: Path = Field(Path("lethe-data"), description="SQLite metadata, datasets and heads.")
+    database_url: str | None = Field(None, description="Metadata database: SQLite in the data directory by default; "
+                                                       "postgresql://user@host/db to share it between replicas.")
     admin_key: str | None = Field(None, description="Bearer key for the admin endpoints (tenants, keys).")
     allow_anonymous: bool = Field(True, description="Requests without a key may generate from the base model.")
     demo_tenant: bool = Field(True, description="On first start, create a 'demo' tenant and print its key.")

@@ -1,7 +1,12 @@
-"""Metadata in SQLite (WAL), files in the data directory.
+"""Metadata in a database (SQLite by default, PostgreSQL for several replicas), files in the data directory.
+
+The database is SQLite (WAL) in the data directory unless `LETHE_DATABASE_URL` names another:
+`postgresql://user@host/db` shares tenants, keys, datasets, heads, jobs and profiles between replicas. Both
+run the same SQL through SQLAlchemy 2 Core; the schema is versioned (`lethe_schema`) and brought up to date
+at start-up (`MIGRATIONS`), so a database made by an earlier release is upgraded in place.
 
 Layout of the data directory:
-    lethe.db            tenants, keys (hashed), datasets, heads, jobs, profiles and their versions
+    lethe.db            tenants, keys (hashed), datasets, heads, jobs, profiles and their versions (SQLite)
     datasets/<id>.jsonl uploaded records, as received
     heads/<id>.safetensors
     asu/<id>.safetensors  ASU adapters
@@ -12,36 +17,63 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
-import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS tenants (id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS api_keys (hash TEXT PRIMARY KEY, tenant_id TEXT NOT NULL REFERENCES tenants(id),
-    created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS datasets (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, name TEXT, records INTEGER,
-    sha256 TEXT, bytes INTEGER, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS heads (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, job_id TEXT, bytes INTEGER,
-    info TEXT, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS asu_weights (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, job_id TEXT, bytes INTEGER,
-    info TEXT, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, kind TEXT NOT NULL,
-    status TEXT NOT NULL, phase TEXT, progress REAL, params TEXT, metrics TEXT, result TEXT, error TEXT,
-    created REAL NOT NULL, started REAL, finished REAL);
-CREATE TABLE IF NOT EXISTS profile_versions (tenant_id TEXT NOT NULL, name TEXT NOT NULL, version INTEGER NOT NULL,
-    spec TEXT NOT NULL, created REAL NOT NULL, note TEXT, PRIMARY KEY (tenant_id, name, version));
-CREATE TABLE IF NOT EXISTS profiles (tenant_id TEXT NOT NULL, name TEXT NOT NULL, version INTEGER NOT NULL,
-    PRIMARY KEY (tenant_id, name));
-"""
+from sqlalchemy import (Column, Double, ForeignKey, Integer, MetaData, PrimaryKeyConstraint, Table, Text,
+                        create_engine, event, inspect, text)
+from sqlalchemy.engine import Connection, Engine
+
+# The schema of this release. Columns are in the order of the positional INSERTs that fill them.
+METADATA = MetaData()
+Table("tenants", METADATA, Column("id", Text, primary_key=True), Column("name", Text, unique=True, nullable=False),
+      Column("created", Double, nullable=False))
+Table("api_keys", METADATA, Column("hash", Text, primary_key=True),
+      Column("tenant_id", Text, ForeignKey("tenants.id"), nullable=False), Column("created", Double, nullable=False),
+      Column("id", Text), Column("prefix", Text), Column("last_used", Double))
+Table("datasets", METADATA, Column("id", Text, primary_key=True), Column("tenant_id", Text, nullable=False),
+      Column("name", Text), Column("records", Integer), Column("sha256", Text), Column("bytes", Integer),
+      Column("created", Double, nullable=False))
+for _name in ("heads", "asu_weights"):
+    Table(_name, METADATA, Column("id", Text, primary_key=True), Column("tenant_id", Text, nullable=False),
+          Column("job_id", Text), Column("bytes", Integer), Column("info", Text), Column("created", Double, nullable=False))
+Table("jobs", METADATA, Column("id", Text, primary_key=True), Column("tenant_id", Text, nullable=False),
+      Column("kind", Text, nullable=False), Column("status", Text, nullable=False), Column("phase", Text),
+      Column("progress", Double), Column("params", Text), Column("metrics", Text), Column("result", Text),
+      Column("error", Text), Column("created", Double, nullable=False), Column("started", Double),
+      Column("finished", Double))
+Table("profile_versions", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
+      Column("version", Integer, nullable=False), Column("spec", Text, nullable=False),
+      Column("created", Double, nullable=False), Column("note", Text),
+      PrimaryKeyConstraint("tenant_id", "name", "version"))
+Table("profiles", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
+      Column("version", Integer, nullable=False), PrimaryKeyConstraint("tenant_id", "name"))
+SCHEMA_TABLE = Table("lethe_schema", METADATA, Column("version", Integer, nullable=False))
 
 KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
 
 
 TABLES = ("datasets", "heads", "jobs", "asu_weights")
+
+
+def _keys_gain_ids(conn: Connection, ops) -> None:
+    """1: keys gained a public id, a shown prefix and a last-used time (old keys keep working)."""
+    with ops.batch_alter_table("api_keys") as batch:
+        batch.add_column(Column("id", Text))
+        batch.add_column(Column("prefix", Text))
+        batch.add_column(Column("last_used", Double))
+    conn.execute(text("UPDATE api_keys SET id = 'key_' || substr(hash, 1, 16) WHERE id IS NULL"))
+
+
+# (version, migration): each takes a database at the version before it to its own. A new release that changes
+# the schema appends one, and changes METADATA to match.
+MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids)]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 def hash_key(key: str) -> str:
@@ -59,52 +91,113 @@ def _new_key(tenant_id: str, now: float) -> tuple[str, tuple[str, tuple]]:
                  (hash_key(key), tenant_id, now, new_id("key"), key[:7]))
 
 
-class Store:
-    """Thread-safe access to the metadata database; one connection, serialised by a lock."""
+class Record(dict):
+    """A result row: by column name, or by position (`row[0]`)."""
 
-    def __init__(self, data_dir: Path):
+    def __getitem__(self, key):
+        return list(self.values())[key] if isinstance(key, int) else super().__getitem__(key)
+
+
+_PLACEHOLDER = re.compile(r"\?")
+
+
+def _bind(sql: str, args: tuple) -> tuple:
+    """`?` placeholders (SQLite's) as named ones, which SQLAlchemy passes to any driver."""
+    names = iter(range(len(args)))
+    return text(_PLACEHOLDER.sub(lambda _: f":p{next(names)}", sql)), {f"p{i}": a for i, a in enumerate(args)}
+
+
+def database_url(data_dir: Path, url: str | None = None) -> str:
+    """The database to use: `url` (LETHE_DATABASE_URL), else SQLite in the data directory. A plain
+    `postgresql://` URL gets the psycopg 3 driver."""
+    if not url:
+        return f"sqlite:///{Path(data_dir) / 'lethe.db'}"
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def redact(url: str) -> str:
+    """A database URL fit for a log: its password hidden."""
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
+def _connect(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi, _record):
+            dbapi.execute("PRAGMA journal_mode=WAL")
+            dbapi.execute("PRAGMA synchronous=FULL")
+            dbapi.execute("PRAGMA busy_timeout=30000")
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+
+
+def upgrade(engine: Engine) -> int:
+    """Bring the database to SCHEMA_VERSION, in one transaction (on PostgreSQL under an advisory lock, so
+    replicas starting together migrate once). An empty database gets this release's schema; one made before
+    schemas were versioned is recognised by its columns. Returns the version it found."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.operations import Operations
+
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(7134)"))  # any constant: Lethe's migration lock
+        tables = set(inspect(conn).get_table_names())
+        if "lethe_schema" in tables:
+            found = int(conn.execute(text("SELECT MAX(version) FROM lethe_schema")).scalar() or 0)
+        elif "api_keys" in tables:  # a release before versioned schemas
+            columns = {c["name"] for c in inspect(conn).get_columns("api_keys")}
+            found = 1 if "id" in columns else 0
+        else:
+            found = SCHEMA_VERSION  # a new database: this release's tables, as they are
+        if found > SCHEMA_VERSION:
+            raise RuntimeError(f"the database's schema is version {found}, newer than this release's "
+                               f"({SCHEMA_VERSION}): upgrade Lethe")
+        METADATA.create_all(conn, checkfirst=True)  # tables this release adds (and lethe_schema)
+        ops = Operations(MigrationContext.configure(conn))
+        for version, migrate in MIGRATIONS:
+            if version > found:
+                migrate(conn, ops)
+        conn.execute(SCHEMA_TABLE.delete())
+        conn.execute(SCHEMA_TABLE.insert().values(version=SCHEMA_VERSION))
+    return found
+
+
+class Store:
+    """Thread-safe access to the metadata database. Statements are SQL with `?` placeholders, portable between
+    SQLite and PostgreSQL; `tx` runs several in one transaction."""
+
+    def __init__(self, data_dir: Path, url: str | None = None):
         self.dir = Path(data_dir)
         for sub in ("datasets", "heads", "asu"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.dir / "lethe.db", check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
-        self._migrate()
+        self.url = database_url(self.dir, url)
+        self.engine = _connect(self.url)
+        self.found_version = upgrade(self.engine)
         self._lock = threading.RLock()
         self._touched: dict[str, float] = {}  # key hash -> when last_used was last written (at most once a minute)
 
-    def _migrate(self) -> None:
-        """Bring a database made by an earlier release up to this one, in place (columns added, values filled)."""
-        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(api_keys)")}
-        if "id" not in columns:  # keys gained a public id, a shown prefix and a last-used time
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("ALTER TABLE api_keys ADD COLUMN id TEXT")
-            self._db.execute("ALTER TABLE api_keys ADD COLUMN prefix TEXT")
-            self._db.execute("ALTER TABLE api_keys ADD COLUMN last_used REAL")
-            self._db.execute("UPDATE api_keys SET id = 'key_' || substr(hash, 1, 16) WHERE id IS NULL")
-            self._db.execute("COMMIT")
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self.engine.dispose()
 
-    def q(self, sql: str, *args) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+    def q(self, sql: str, *args) -> list[Record]:
+        with self._lock, self.engine.connect() as conn:
+            result = conn.execute(*_bind(sql, args))
+            return [Record(r._mapping) for r in result] if result.returns_rows else []
 
     def tx(self, statements: list[tuple[str, tuple]]) -> None:
         """Run statements in one transaction."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                for sql, args in statements:
-                    self._db.execute(sql, args)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._lock, self.engine.begin() as conn:
+            for sql, args in statements:
+                conn.execute(*_bind(sql, args))
 
     # tenants and keys
     def create_tenant(self, name: str) -> tuple[str, str]:
@@ -214,7 +307,8 @@ class Store:
             version = (rows[0]["v"] or 0) + 1
             self.tx([("INSERT INTO profile_versions VALUES (?, ?, ?, ?, ?, ?)",
                       (tenant_id, name, version, json.dumps(spec), time.time(), note)),
-                     ("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?)", (tenant_id, name, version))])
+                     ("INSERT INTO profiles VALUES (?, ?, ?) ON CONFLICT (tenant_id, name) DO UPDATE SET "
+                      "version = excluded.version", (tenant_id, name, version))])
             return version
 
     def current_profile(self, tenant_id: str, name: str) -> tuple[int, dict] | None:

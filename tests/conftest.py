@@ -75,3 +75,35 @@ def real_lm():
     from lethe.heads.modelio import load_model
 
     return load_model(REAL_MODEL, DEVICE, DTYPE)
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url():
+    """A PostgreSQL server of the suite's own (tests/postgres.py), started once. Where PostgreSQL is not installed
+    a developer's run skips its tests; CI fails (`.ci/run` installs Debian's postgresql first)."""
+    from postgres import binaries, postgres_server
+
+    if binaries() is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is missing: .ci/run installs Debian's postgresql before the tests")
+        pytest.skip("PostgreSQL is not installed (Debian: apt-get install postgresql)")
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="lethe-pg-"))  # not under pytest's folders: those only root may enter
+    try:
+        with postgres_server(folder) as url:
+            yield url
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request):
+    """A fresh, empty metadata database of each backend: None (SQLite in the data directory), or a new
+    PostgreSQL database."""
+    if request.param == "sqlite":
+        return None
+    from postgres import fresh_database
+
+    return fresh_database(request.getfixturevalue("postgres_server_url"))

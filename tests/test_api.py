@@ -19,11 +19,18 @@ def _jsonl(records) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in records).encode()
 
 
-@pytest.fixture(scope="module")
-def live(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def live(request, tiny_model_dir, tmp_path_factory):
+    """A server on each metadata backend: the embedded SQLite, and PostgreSQL (what replicas share); every test
+    of this file runs against both."""
+    database = None
+    if request.param == "postgresql":
+        from postgres import fresh_database
+
+        database = fresh_database(request.getfixturevalue("postgres_server_url"))
     # a model of its own: the server attaches ASU adapters to it in place
     lm = load_model(tiny_model_dir)
-    with running_server(lm, tmp_path_factory.mktemp("data"), max_new_tokens_limit=128) as url:
+    with running_server(lm, tmp_path_factory.mktemp("data"), max_new_tokens_limit=128, database_url=database) as url:
         yield url
 
 

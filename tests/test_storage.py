@@ -1,0 +1,89 @@
+"""The metadata store on both backends: SQLite (the embedded default) and PostgreSQL (shared by replicas).
+The same calls, the same answers; schemas versioned and upgraded in place."""
+
+import time
+
+import pytest
+import sqlalchemy
+
+from lethe.server.storage import SCHEMA_VERSION, Store
+
+
+def test_the_same_calls_give_the_same_answers_on_both_backends(tmp_path, database_url):
+    store = Store(tmp_path, database_url)
+    assert store.dialect == ("sqlite" if database_url is None else "postgresql")
+    before = time.time()
+    tenant, key = store.create_tenant("acme")
+    other, other_key = store.create_tenant("globex")
+    assert store.tenant_for_key(key) == tenant and store.tenant_for_key(other_key) == other
+    assert store.tenant_for_key(key + "x") is None
+    listed = store.tenants()
+    assert [t["name"] for t in listed] == ["acme", "globex"] and listed[0]["keys"] == 1
+    assert before <= listed[0]["created"] <= time.time()  # timestamps keep sub-second precision (not float4)
+    assert abs(listed[1]["created"] - listed[0]["created"]) < 5
+    with pytest.raises(sqlalchemy.exc.IntegrityError):
+        store.create_tenant("acme")  # names are unique
+    second = store.add_key(tenant)
+    keys = store.keys(tenant)
+    assert len(keys) == 2 and all(k["prefix"] == "lk_" + k["prefix"][3:] for k in keys)
+    rotated = store.rotate_key(tenant, keys[0]["id"])
+    assert store.tenant_for_key(key) is None and store.tenant_for_key(rotated) == tenant
+    assert store.revoke_key(tenant, store.keys(tenant)[0]["id"]) and store.tenant_for_key(second) is None
+    assert not store.revoke_key(other, store.keys(tenant)[0]["id"])  # another tenant's key id: not found
+
+    # profiles: versions, the current one, rollback, history; another tenant's are separate
+    assert store.put_profile(tenant, "p", {"head": "h1"}, note="first") == 1
+    assert store.put_profile(tenant, "p", {"head": "h2"}) == 2
+    assert store.put_profile(other, "p", {"head": "x"}) == 1
+    assert store.current_profile(tenant, "p") == (2, {"head": "h2"})
+    store.set_profile_version(tenant, "p", 1)
+    assert store.current_profile(tenant, "p") == (1, {"head": "h1"})
+    assert [h["version"] for h in store.profile_history(tenant, "p")] == [1, 2]
+    assert store.profile_history(tenant, "p")[0]["note"] == "first"
+    assert store.profile_names(tenant) == ["p"] and store.current_profile(other, "p") == (1, {"head": "x"})
+    assert store.users_of(tenant, "head", "h2") == ["profile 'p' v2"]
+
+    # owned rows are found by (tenant, id) only
+    store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", ("ds_1", tenant, "f", 3, "abc", 10, time.time()))])
+    assert store.get("datasets", tenant, "ds_1")["records"] == 3 and store.get("datasets", other, "ds_1") is None
+    assert [d["id"] for d in store.list("datasets", tenant)] == ["ds_1"] and store.list("datasets", other) == []
+    store.tx([("INSERT INTO jobs (id, tenant_id, kind, status, created) VALUES (?, ?, ?, ?, ?)",
+               ("job_1", tenant, "t3", "running", time.time()))])
+    with pytest.raises(ValueError, match="job_1"):
+        store.delete_tenant(tenant)  # refused while a job runs
+    store.tx([("UPDATE jobs SET status = ? WHERE id = ?", ("succeeded", "job_1"))])
+    assert store.delete_tenant(tenant) == {"datasets": ["ds_1"], "heads": [], "asu_weights": []}
+    assert store.tenant_by_name("acme") is None and store.profile_names(tenant) == []
+    assert store.tenant_by_name("globex") == other and store.current_profile(other, "p") == (1, {"head": "x"})
+    store.close()
+    reopened = Store(tmp_path, database_url)  # opening it again finds this release's schema and keeps the data
+    assert reopened.found_version == SCHEMA_VERSION and reopened.tenant_for_key(other_key) == other
+    reopened.close()
+
+
+def test_a_database_of_the_release_before_versioned_schemas_is_upgraded_in_place(tmp_path, database_url):
+    """The tables for tenants and keys as the release before key ids made them (no lethe_schema table)."""
+    url = database_url or f"sqlite:///{tmp_path / 'lethe.db'}"
+    engine = sqlalchemy.create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text("CREATE TABLE tenants (id TEXT PRIMARY KEY, name TEXT UNIQUE NOT NULL, "
+                                     "created DOUBLE PRECISION NOT NULL)"))
+        conn.execute(sqlalchemy.text("CREATE TABLE api_keys (hash TEXT PRIMARY KEY, tenant_id TEXT NOT NULL "
+                                     "REFERENCES tenants(id), created DOUBLE PRECISION NOT NULL)"))
+        conn.execute(sqlalchemy.text("INSERT INTO tenants VALUES ('ten_old', 'old', 1.5)"))
+        from lethe.server.storage import hash_key
+
+        conn.execute(sqlalchemy.text("INSERT INTO api_keys VALUES (:h, 'ten_old', 2.5)"), {"h": hash_key("lk_old")})
+    engine.dispose()
+    store = Store(tmp_path, database_url)
+    assert store.found_version == 0
+    assert store.tenant_for_key("lk_old") == "ten_old"  # old keys keep working
+    (key,) = store.keys("ten_old")
+    assert key["id"].startswith("key_") and key["created"] == 2.5
+    tenant, _ = store.create_tenant("new")  # and the tables this release adds are there
+    assert store.put_profile(tenant, "p", {}) == 1
+    store.close()
+    with sqlalchemy.create_engine(store.url).begin() as conn:  # a schema newer than this release is refused
+        conn.execute(sqlalchemy.text("UPDATE lethe_schema SET version = :v"), {"v": SCHEMA_VERSION + 1})
+    with pytest.raises(RuntimeError, match="newer than this release"):
+        Store(tmp_path, database_url)
