@@ -24,10 +24,10 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
-from pydantic import ConfigDict, Field, StrictBool
+from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
 from lethe.heads.decoding.decode import Completion
-from lethe.heads.decoding.logprobs import TokenLogprob
+from lethe.heads.decoding.logprobs import TokenLogprob, token_bytes
 from lethe.heads.records import PROMPT_FORMAT
 from lethe.heads.decoding.sampling import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K,
                                            SamplingParams)
@@ -101,6 +101,10 @@ class OpenAIRequest(ValidText):
     best_of: int | None = None
 
     def checks(self, choices: int) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "stream_options is only allowed with stream: true", 400)
+        if self.stream and self.lethe_untilted_logprobs:
+            raise field_error("lethe_untilted_logprobs", "untilted logprobs are not streamed: ask without stream", 400)
         refused = {"repetition_penalty": self.repetition_penalty not in (None, 1, 1.0),
                    "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
                    "tool_choice": self.tool_choice not in (None, "none"),
@@ -136,11 +140,11 @@ class OpenAIRequest(ValidText):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="A prompt, a list of prompts (a choice each), or token ids (one list, or a list of lists), "
                     "fed to the model exactly as given.")
     max_tokens: int | None = Field(None, ge=0, le=MAX_NEW_TOKENS, description="0 (with echo): the prompt alone.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "Each token's log-probability and this many likeliest alternatives; with echo, the prompt's tokens too."))
     echo: StrictBool = Field(False, description="Put the prompt before the completion's text.")
     suffix: str | None = None
@@ -172,7 +176,7 @@ class ChatRequest(OpenAIRequest):
     messages: list[Message] = Field(min_length=1, max_length=10_000)
     max_completion_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     logprobs: StrictBool | None = Field(None, description="Each new token's log-probability (`choices[].logprobs`).")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: alternatives per token.")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: alternatives per token.")
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -223,9 +227,10 @@ async def _admit_choices(request: Request, tenant_id: str | None, body: OpenAIRe
                          default_max: int, fields: tuple[str, str]) -> list[Choice]:
     """Every choice (n per prompt) admitted, its profile version pinned; all or none (a refused one gives back
     what the others hold)."""
-    queue = request.app.state.engine.queue.maxsize
-    if len(prompts) * body.n > queue:  # could never be admitted together: say so, not 429 for ever
-        raise field_error("n", f"{len(prompts) * body.n} choices exceed this server's queue of {queue} requests", 400)
+    queue, rows = request.app.state.engine.queue.maxsize, request.app.state.settings.quota_rows
+    if len(prompts) * body.n > min(queue, rows):  # could never be admitted together: say so, not 429 for ever
+        limit = f"queue of {queue} requests" if queue <= rows else f"{rows} requests in flight per tenant"
+        raise field_error("n", f"{len(prompts) * body.n} choices exceed this server's {limit}", 400)
     wanted = [(i * body.n + j, p, body.sampling(default_max, j)) for i, p in enumerate(prompts) for j in range(body.n)]
     tasks = [asyncio.ensure_future(admit(request, tenant_id, p, params, _asked(body, request), fields))
              for _, p, params in wanted]
@@ -259,8 +264,9 @@ def _default_max(request: Request, prompt, default: int) -> int:
     return max(1, min(default, engine.context_length - engine.count_tokens(prompt)))
 
 
-def _usage(*completions: Completion) -> dict:
-    prompt = sum(c.prompt_tokens for c in completions)
+def _usage(completions: list[Completion], n: int = 1) -> dict:
+    """Tokens used: each prompt counted once however many choices (`n` per prompt, in order) it had."""
+    prompt = sum(c.prompt_tokens for c in completions[::n])
     generated = sum(c.completion_tokens for c in completions)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
@@ -275,7 +281,8 @@ def _decoder(request: Request, entries) -> dict[int, str]:
 
 def completion_logprobs(request: Request, entries: list[tuple[int, TokenLogprob | None]], offset: int = 0) -> dict:
     """OpenAI's completions `logprobs`: tokens, their log-probabilities (None for a prompt's first token), the
-    likeliest alternatives (the chosen token included, as vLLM gives them) and each token's offset in the text."""
+    likeliest alternatives (the chosen token included, as vLLM gives them) and each token's offset in the text
+    (from `offset`: a stream's chunk goes on from the one before)."""
     text = _decoder(request, entries)
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, entry in entries:
@@ -291,9 +298,12 @@ def completion_logprobs(request: Request, entries: list[tuple[int, TokenLogprob 
 def chat_logprobs(request: Request, entries: list[TokenLogprob]) -> dict:
     """OpenAI's chat `logprobs`: per token its text, log-probability, UTF-8 bytes and the likeliest alternatives."""
     text = _decoder(request, [(e.token, e) for e in entries])
+    engine = request.app.state.engine
+    with engine.tokenizer_lock:  # a token's own bytes: part of a character where its text alone reads U+FFFD
+        raw = {t: list(token_bytes(engine.lm.tokenizer, t)) for t in text}
 
     def item(token: int, logprob: float) -> dict:
-        return {"token": text[token], "logprob": logprob, "bytes": list(text[token].encode("utf-8"))}
+        return {"token": text[token], "logprob": logprob, "bytes": raw[token]}
 
     return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(a, lp) for a, lp in e.top]}
                         for e in entries]}
@@ -350,13 +360,19 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
 
     if body.stream:
         started: set[int] = set()
+        offsets: dict[int, int] = {}
 
         def piece(i: int, text: str, entries: list | None, finish: str | None = None) -> dict:
             """Choice i's next text (the echoed prompt first, in its first chunk) and its tokens' logprobs."""
             index = choices[i][0]
             first = index not in started
             started.add(index)
-            lp = None if body.logprobs is None else completion_logprobs(request, [(e.token, e) for e in entries or []])
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(request, [(e.token, e) for e in entries or []],
+                                         offsets.get(index, len(echoes[index])))
+                offsets[index] = (lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"]
+                                  else offsets.get(index, len(echoes[index])))
             return _envelope(head, used, {"index": index, "text": (echoes[index] if first else "") + text,
                                           "finish_reason": finish, "logprobs": lp})
 
@@ -366,13 +382,13 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                       headers)
     done = await _complete_all(request, choices)
     response.headers.update(headers)
-    return _envelope(head, used, [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(*done))
+    return _envelope(head, used, [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(done, body.n))
 
 
 def _stream_usage(body: OpenAIRequest, done: list[Completion], envelope) -> list[dict]:
     """With `stream_options.include_usage`, OpenAI's last chunk: usage of every choice, and no choices."""
     if body.stream_options is not None and body.stream_options.include_usage:
-        return [envelope(_usage(*done))]
+        return [envelope(_usage(done, body.n))]
     return []
 
 
@@ -430,7 +446,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
             out["lethe_untilted_logprobs"] = logprobs(c.untilted_logprobs)
         return out
 
-    return envelope("chat.completion", [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(*done))
+    return envelope("chat.completion", [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(done, body.n))
 
 
 def _model(name: str) -> dict:

@@ -8,6 +8,7 @@ import json
 import math
 import time
 
+import httpx
 import openai
 import pytest
 import torch
@@ -91,13 +92,15 @@ def test_logprobs_of_the_base_model_are_the_models_own(tenant, base_lm):
     prompt = question_prompt(tenant["retain"][0]["question"])
     out = sdk.completions.create(model="base", prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
     choice = out.choices[0]
-    lp = choice.logprobs
-    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == out.usage.completion_tokens
+    lp, generated = choice.logprobs, out.usage.completion_tokens
+    # one entry per token of the text, and one for the end-of-text token when the answer ended with it
+    assert len(lp.tokens) == generated + (choice.finish_reason == "stop")
+    assert "".join(lp.tokens[:generated]) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     prompt_ids = base_lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     ids = prompt_ids + base_lm.tokenizer(choice.text, add_special_tokens=False)["input_ids"]
     expected = _base_logprobs(base_lm, ids)[len(prompt_ids) - 1:]
-    assert torch.allclose(torch.tensor(lp.token_logprobs), expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(lp.token_logprobs[:generated]), expected, atol=1e-4)
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 3 <= len(top) <= 4 and top[token] == value  # greedy: the chosen token is the likeliest
         assert value == max(top.values())
@@ -119,7 +122,8 @@ def test_logprobs_under_a_profile_are_the_tilted_distribution_and_untilted_ones_
     assert choice.text != base.choices[0].text  # the profile changes the answer
     tilted = choice.logprobs
     untilted = choice.model_extra["lethe_untilted_logprobs"]
-    assert untilted["tokens"] == tilted.tokens and len(tilted.tokens) == out.usage.completion_tokens
+    assert untilted["tokens"] == tilted.tokens
+    assert len(tilted.tokens) == out.usage.completion_tokens + (choice.finish_reason == "stop")
     # greedy under the profile: every chosen token is the likeliest of the distribution it was drawn from ...
     assert all(v == max(top.values()) for v, top in zip(tilted.token_logprobs, tilted.top_logprobs))
     # ... which is not the base model's: somewhere the base model preferred another token
@@ -127,8 +131,8 @@ def test_logprobs_under_a_profile_are_the_tilted_distribution_and_untilted_ones_
     prompt_ids = base_lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     ids = prompt_ids + base_lm.tokenizer(choice.text, add_special_tokens=False)["input_ids"]
     expected = _base_logprobs(base_lm, ids)[len(prompt_ids) - 1:]
-    if len(expected) == len(untilted["token_logprobs"]):  # the text re-tokenizes as it was generated
-        assert torch.allclose(torch.tensor(untilted["token_logprobs"]), expected, atol=1e-4)
+    if len(expected) == out.usage.completion_tokens:  # the text re-tokenizes as it was generated
+        assert torch.allclose(torch.tensor(untilted["token_logprobs"][:len(expected)]), expected, atol=1e-4)
     # the chat route gives the same two views
     chat = sdk.chat.completions.create(model="forget", messages=[{"role": "user", "content": "Who?"}], max_tokens=4,
                                        temperature=0, logprobs=True, extra_body={"lethe_untilted_logprobs": True})
@@ -167,9 +171,58 @@ def test_prompt_logprobs_as_lm_evaluation_harness_asks_for_them_on_token_ids_fed
     with pytest.raises(openai.BadRequestError) as e:
         sdk.completions.create(model="base", prompt=ids, max_tokens=0)
     assert e.value.param == "max_tokens"
+    # lm-evaluation-harness's exact request, a batch of token-id prompts, and its parsing: token_logprobs[ctxlen:-1]
+    # must be the continuation's, so the one generated token is always last, the end-of-text token included
+    batch = [ids, context + tok(" Nobody", add_special_tokens=False)["input_ids"]]
+    out = sdk.completions.create(model="base", prompt=batch, temperature=0, max_tokens=1, logprobs=1, seed=1234,
+                                 echo=True)
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.prompt_tokens == sum(map(len, batch))
+    for request_ids, choice in zip(batch, out.choices):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(request_ids) + 1
+        continuation_logprobs = lp.token_logprobs[len(context):-1]
+        assert torch.allclose(torch.tensor(continuation_logprobs),
+                              _base_logprobs(base_lm, request_ids)[len(context) - 1:], atol=1e-4)
+    # the record's answer is what the model learnt: greedy at every continuation token, then the end of the text
+    top = out.choices[0].logprobs.top_logprobs
+    assert all(max(top[i], key=top[i].get) == out.choices[0].logprobs.tokens[i] for i in range(len(context), len(ids)))
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == tok.decode(ids)
 
 
-def test_n_choices_content_parts_and_streams_of_several_choices(tenant):
+def test_what_the_independent_tester_found(live, tenant, base_lm):
+    sdk = tenant["sdk"]
+    for bad in ({"prompt": [True, False, 2]}, {"prompt": "hi", "logprobs": True}, {"prompt": "hi", "logprobs": "3"},
+                {"prompt": "hi", "stream_options": {"include_usage": True}},
+                {"prompt": "hi", "stream": True, "logprobs": 1, "lethe_untilted_logprobs": True},
+                {"prompt": ["a", "b", "c"], "n": 12}):  # 36 choices: more than the 32 rows a tenant may have in flight
+        body = {"model": "base", "max_tokens": 2, **bad}
+        r = httpx.post(live + "/v1/completions", json=body, headers={"Authorization": f"Bearer {sdk.api_key}"})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] in bad, (bad, r.text)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                    top_logprobs="2")
+    assert e.value.param == "top_logprobs"
+    # usage counts each prompt once, however many choices it has
+    one = sdk.completions.create(model="base", prompt="Question: Where", max_tokens=2)
+    four = sdk.completions.create(model="base", prompt="Question: Where", max_tokens=2, n=4)
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens
+    # a stream's text offsets go on from chunk to chunk, as the non-streamed answer's
+    whole = sdk.completions.create(model="base", prompt="Question: Where", max_tokens=8, logprobs=0, temperature=0)
+    offsets = [o for chunk in sdk.completions.create(model="base", prompt="Question: Where", max_tokens=8,
+                                                     logprobs=0, temperature=0, stream=True)
+               for c in chunk.choices if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+    # a token's bytes are its own, where its text alone is part of a character (U+FFFD)
+    from lethe.heads.decoding.logprobs import token_bytes
+
+    tok = base_lm.tokenizer
+    ids = tok("Zürich 東京 🙂", add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    assert b"".join(token_bytes(tok, t) for t in ids) == "Zürich 東京 🙂".encode()
+
+
+def test_n_choices_content_parts_and_streams_of_several_choices(tenant, base_lm):
     sdk = tenant["sdk"]
     prompt = question_prompt(tenant["retain"][2]["question"])
     settings = {"model": "base", "max_tokens": 8, "temperature": 1.0, "seed": 11}
@@ -186,7 +239,8 @@ def test_n_choices_content_parts_and_streams_of_several_choices(tenant):
             logged.setdefault(c.index, []).extend(c.logprobs.tokens if c.logprobs else [])
             finishes[c.index] = c.finish_reason or finishes.get(c.index)
     assert texts == {c.index: c.text for c in whole.choices}  # streamed and whole answers are the same text
-    assert {i: "".join(tokens) for i, tokens in logged.items()} == texts
+    eos = base_lm.tokenizer.eos_token  # an answer that ended with it lists it last in its logprobs, not in its text
+    assert {i: "".join(tokens).removesuffix(eos if finishes[i] == "stop" else "") for i, tokens in logged.items()} == texts
     assert set(finishes) == {0, 1, 2} and all(finishes.values())
     assert usage.completion_tokens == whole.usage.completion_tokens
     # chat: content as a list of text parts, and an assistant turn that only called a tool

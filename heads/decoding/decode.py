@@ -43,7 +43,8 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     prompt_tokens: int
     # with SamplingParams.logprobs / prompt_logprobs (`heads.decoding.logprobs`): one entry per token of
-    # `token_ids` / of `prompt_ids` (the prompt's first is None); `untilted_*`: the base model's, when asked
+    # `token_ids`, and one more for the end-of-text token when the answer ended with it / one per token of
+    # `prompt_ids` (the prompt's first is None); `untilted_*`: the base model's, when asked
     logprobs: list[TokenLogprob] | None = None
     untilted_logprobs: list[TokenLogprob] | None = None
     prompt_ids: list[int] | None = None
@@ -112,7 +113,7 @@ class Row:
     error: Exception | None = None  # why this row failed (finish_reason "error"); the other rows go on
     forced: list[int] | None = None  # a reply the guide chose for this row (abstention), decoded token by token
     prompt_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None  # when its params ask for them: one per token of token_ids
+    logprobs: list[TokenLogprob] | None = None  # when its params ask: one per token of token_ids (and the EOS)
     untilted_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -307,14 +308,14 @@ class Batch:
             row.finish_reason, row.error = "error", error
 
     def _append(self, row: Row, token: int, logged: tuple[TokenLogprob, TokenLogprob | None] | None = None) -> None:
+        if logged is not None:  # the end-of-text token too: its probability is part of the answer's (as in vLLM)
+            row.logprobs.append(logged[0])
+            if row.untilted_logprobs is not None and logged[1] is not None:
+                row.untilted_logprobs.append(logged[1])
         if token in self.eos and not row.params.ignore_eos:
             row.finish_reason = "stop"
             return
         row.token_ids.append(token)
-        if logged is not None:
-            row.logprobs.append(logged[0])
-            if row.untilted_logprobs is not None and logged[1] is not None:
-                row.untilted_logprobs.append(logged[1])
         row.text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
         if row.forced and len(row.token_ids) >= len(row.forced):  # the whole reply is out: it ends here
             row.finish_reason = "stop"

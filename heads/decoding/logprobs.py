@@ -14,7 +14,9 @@ What they are the log-probabilities of:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -69,3 +71,29 @@ def prompt_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, top: int, 
             base += token_logprobs(logits, targets, top)
         scored += token_logprobs(logits if guided is None else guided(logits, pooled[span]), targets, top)
     return scored, base
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """A token's own bytes, which may be part of one UTF-8 character (decoding such a token alone gives U+FFFD):
+    byte-level BPE pieces mapped back to bytes, SentencePiece byte tokens as their byte, else the token's text."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
+            decoder = _byte_decoder()
+            if all(c in decoder for c in piece):
+                return bytes(decoder[c] for c in piece)
+        match = _BYTE_TOKEN.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+    return tokenizer.decode([token]).encode("utf-8")
