@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from sqlalchemy.exc import IntegrityError
 from starlette.requests import ClientDisconnect
 
 from lethe.heads.modelio import LoadedModel, load_model
@@ -162,18 +163,31 @@ def route_path(request: Request) -> str:
     return path if isinstance(path, str) else "unmatched"
 
 
+SHARED_GRACE = 3600.0  # seconds: on a shared data directory, files younger than this may be another replica's work
+
+
 def clean_temporary_files(store: Store) -> int:
     """Remove what a crash left behind: half-written files (atomic writes use `.<name>.*.tmp`), and
-    complete files no row points at (written, then the process died before the row was inserted)."""
-    removed = 0
+    complete files no row points at (written, then the process died before the row was inserted). Where
+    replicas share the directory (a shared database), only files older than SHARED_GRACE: a younger one may
+    be another replica's write in progress."""
+    removed, cutoff = 0, time.time() - (SHARED_GRACE if store.shared else 0.0)
+
+    def old(path: Path) -> bool:
+        try:
+            return path.stat().st_mtime <= cutoff
+        except FileNotFoundError:
+            return False
+
     for tmp in store.dir.rglob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
-        removed += 1
+        if old(tmp):
+            tmp.unlink(missing_ok=True)
+            removed += 1
     for folder, table in (("datasets", "datasets"), ("heads", "heads"), ("asu", "asu_weights")):
         known = {r["id"] for r in store.q(f"SELECT id FROM {table}")}
         for f in (store.dir / folder).iterdir():
-            if f.is_file() and f.name.split(".")[0] not in known:
-                f.unlink()
+            if f.is_file() and f.name.split(".")[0] not in known and old(f):
+                f.unlink(missing_ok=True)
                 removed += 1
     return removed
 
@@ -201,8 +215,11 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         if removed:
             log.warning("removed %d files left by an interrupted write", removed)
         if settings.demo_tenant and not store.q("SELECT id FROM tenants LIMIT 1"):
-            _, key = store.create_tenant("demo")
-            print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)
+            try:
+                _, key = store.create_tenant("demo")
+                print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)
+            except IntegrityError:  # a replica starting beside this one made it first
+                pass
         if settings.chat_template is not None:  # before the engine copies the tokenizer
             use_chat_template(model.tokenizer, Path(settings.chat_template))
         app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics()

@@ -3,7 +3,12 @@
 A job moves through queued -> running (phases: caching, fitting, evaluating, saving; for ASU:
 copying, distilling, saving) -> succeeded, failed or cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
 event stream read. The head file is written atomically before its row is inserted, so a crash
-leaves either no head or a complete one; at start-up a job that was running is marked failed.
+leaves either no head or a complete one.
+
+Replicas sharing a database (PostgreSQL) share the queue: a worker claims a queued job with one conditional
+UPDATE, so exactly one runs it, and writes a heartbeat while it runs. A job whose heartbeat stopped (its
+worker died) is marked failed by whichever worker notices; on SQLite, the only process, a job still running
+at start-up is marked failed at once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from lethe.server.storage import Store, new_id
 
 log = logging.getLogger("lethe.jobs")
 TERMINAL = ("succeeded", "failed", "cancelled")
+HEARTBEAT = 5.0  # seconds between a running job's heartbeats
+STALE = 60.0  # a running job without a heartbeat for this long lost its worker
 
 
 class Cancelled(Exception):
@@ -40,11 +47,17 @@ class JobRunner:
         self._thread.start()
 
     def _recover(self) -> None:
-        now = time.time()
-        self.store.tx([("UPDATE jobs SET status = 'failed', error = ?, finished = ? WHERE status = 'running'",
-                        ("the server stopped while the job was running", now))])
+        self.fail_stale(0.0 if not self.store.shared else STALE)
         for row in self.store.q("SELECT id FROM jobs WHERE status = 'queued' ORDER BY created"):
             self.queue.put(row["id"])
+
+    def fail_stale(self, after: float) -> int:
+        """Mark failed the running jobs whose worker stopped: no heartbeat for `after` seconds (0: every running
+        job, for a process that is the only one to run them). Returns how many."""
+        now = time.time()
+        return self.store.tx([("UPDATE jobs SET status = 'failed', error = ?, finished = ? WHERE status = 'running' "
+                               "AND COALESCE(heartbeat, started, created) < ?",
+                               ("the server stopped while the job was running", now, now - after))])
 
     def submit(self, tenant_id: str, kind: str, params: dict) -> str:
         job_id = new_id("job")
@@ -86,16 +99,41 @@ class JobRunner:
             return None
         return dict(min(queued, key=lambda j: (self._last_start.get(j["tenant_id"], 0.0), j["created"])))
 
+    def _claim(self, job_id: str, now: float) -> bool:
+        """Take a queued job for this worker; False if another worker (a replica) took it first."""
+        return self.store.tx([("UPDATE jobs SET status = 'running', started = ?, heartbeat = ?, phase = 'caching', "
+                               "progress = 0 WHERE id = ? AND status = 'queued'", (now, now, job_id))]) == 1
+
+    def _beat(self, job_id: str, done: threading.Event) -> None:
+        while not done.wait(HEARTBEAT):
+            try:
+                self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
+                                (time.time(), job_id))])
+            except Exception:  # a database that is away for a moment: the next beat tries again
+                log.warning("heartbeat of job %s not written", job_id, exc_info=True)
+
     def _run(self) -> None:
-        while self.queue.get() is not None:  # one wake-up per submitted job; which job runs is chosen here
-            job = self._next()
+        while True:
+            try:
+                item = self.queue.get(timeout=STALE / 2)
+            except queue.Empty:  # idle: fail the jobs whose worker died (another replica's, on a shared database)
+                if self.store.shared:
+                    self.fail_stale(STALE)
+                continue
+            if item is None:
+                return
+            started = time.time()
+            while True:  # one wake-up per submitted job; which job runs is chosen here, and claimed
+                job = self._next()
+                if job is None or self._claim(job["id"], started):
+                    break
             if job is None:
                 continue
             job_id = job["id"]
-            self._last_start[job["tenant_id"]] = time.time()
+            self._last_start[job["tenant_id"]] = started
             cancel = self._cancel.setdefault(job_id, threading.Event())
-            started = time.time()
-            self._update(job_id, status="running", started=started, phase="caching", progress=0.0)
+            beating = threading.Event()
+            threading.Thread(target=self._beat, args=(job_id, beating), name="lethe-job-heartbeat", daemon=True).start()
             status = "failed"
             try:
                 {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)
@@ -107,6 +145,7 @@ class JobRunner:
                 log.exception("job %s failed", job_id)
                 self._finish(job_id, "failed", error=self._public(f"{type(e).__name__}: {e}"))
             finally:
+                beating.set()
                 self._cancel.pop(job_id, None)
                 if self.metrics:
                     self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)

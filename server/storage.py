@@ -46,7 +46,7 @@ Table("jobs", METADATA, Column("id", Text, primary_key=True), Column("tenant_id"
       Column("kind", Text, nullable=False), Column("status", Text, nullable=False), Column("phase", Text),
       Column("progress", Double), Column("params", Text), Column("metrics", Text), Column("result", Text),
       Column("error", Text), Column("created", Double, nullable=False), Column("started", Double),
-      Column("finished", Double))
+      Column("finished", Double), Column("heartbeat", Double))
 Table("profile_versions", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
       Column("version", Integer, nullable=False), Column("spec", Text, nullable=False),
       Column("created", Double, nullable=False), Column("note", Text),
@@ -61,18 +61,31 @@ KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
 TABLES = ("datasets", "heads", "jobs", "asu_weights")
 
 
+def _add_columns(conn: Connection, ops, table: str, *columns: Column) -> None:
+    """Add the columns a table lacks (a table this release made just now already has them)."""
+    have = {c["name"] for c in inspect(conn).get_columns(table)}
+    missing = [c for c in columns if c.name not in have]
+    if missing:
+        with ops.batch_alter_table(table) as batch:
+            for column in missing:
+                batch.add_column(column)
+
+
 def _keys_gain_ids(conn: Connection, ops) -> None:
     """1: keys gained a public id, a shown prefix and a last-used time (old keys keep working)."""
-    with ops.batch_alter_table("api_keys") as batch:
-        batch.add_column(Column("id", Text))
-        batch.add_column(Column("prefix", Text))
-        batch.add_column(Column("last_used", Double))
+    _add_columns(conn, ops, "api_keys", Column("id", Text), Column("prefix", Text), Column("last_used", Double))
     conn.execute(text("UPDATE api_keys SET id = 'key_' || substr(hash, 1, 16) WHERE id IS NULL"))
+
+
+def _jobs_gain_heartbeat(conn: Connection, ops) -> None:
+    """2: a running job's worker writes a heartbeat, so replicas sharing the database can tell a job whose
+    worker died (fail it) from one another replica runs (leave it)."""
+    _add_columns(conn, ops, "jobs", Column("heartbeat", Double))
 
 
 # (version, migration): each takes a database at the version before it to its own. A new release that changes
 # the schema appends one, and changes METADATA to match.
-MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids)]
+MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids), (2, _jobs_gain_heartbeat)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -148,7 +161,7 @@ def upgrade(engine: Engine) -> int:
         tables = set(inspect(conn).get_table_names())
         if "lethe_schema" in tables:
             found = int(conn.execute(text("SELECT MAX(version) FROM lethe_schema")).scalar() or 0)
-        elif "api_keys" in tables:  # a release before versioned schemas
+        elif "api_keys" in tables:  # a release before versioned schemas: 1 if its keys have ids
             columns = {c["name"] for c in inspect(conn).get_columns("api_keys")}
             found = 1 if "id" in columns else 0
         else:
@@ -193,11 +206,18 @@ class Store:
             result = conn.execute(*_bind(sql, args))
             return [Record(r._mapping) for r in result] if result.returns_rows else []
 
-    def tx(self, statements: list[tuple[str, tuple]]) -> None:
-        """Run statements in one transaction."""
+    def tx(self, statements: list[tuple[str, tuple]]) -> int:
+        """Run statements in one transaction; returns the rows the last one changed."""
+        changed = 0
         with self._lock, self.engine.begin() as conn:
             for sql, args in statements:
-                conn.execute(*_bind(sql, args))
+                changed = conn.execute(*_bind(sql, args)).rowcount
+        return changed
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes may use this database and data directory at once (replicas on PostgreSQL)."""
+        return self.dialect != "sqlite"
 
     # tenants and keys
     def create_tenant(self, name: str) -> tuple[str, str]:

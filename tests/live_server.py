@@ -48,3 +48,25 @@ def new_tenant(url: str, name: str) -> httpx.Client:
     r = httpx.post(url + "/admin/tenants", json={"name": name}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     r.raise_for_status()
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {r.json()['api_key']}"}, timeout=60)
+
+
+@contextmanager
+def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, **overrides):
+    """Lethe on a local Ray cluster (the machine's 2 CPUs): `replicas` replicas of the server, 1 torch thread each,
+    sharing the PostgreSQL database `database_url` and `data_dir`, behind Ray Serve's HTTP proxy; yields its URL."""
+    import ray
+    from ray import serve
+
+    from lethe.server.ray_serve import deployment
+
+    port = free_port()
+    settings = Settings(model=model_dir, data_dir=data_dir, port=port, admin_key=ADMIN_KEY, demo_tenant=False,
+                        database_url=database_url, **overrides)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployment(settings, replicas, threads=1), name="lethe", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

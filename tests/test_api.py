@@ -19,15 +19,22 @@ def _jsonl(records) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in records).encode()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+@pytest.fixture(scope="module", params=["sqlite", "postgresql", "ray"])
 def live(request, tiny_model_dir, tmp_path_factory):
-    """A server on each metadata backend: the embedded SQLite, and PostgreSQL (what replicas share); every test
-    of this file runs against both."""
+    """A server on each deployment: one process on the embedded SQLite, one process on PostgreSQL, and 2 replicas
+    on Ray Serve sharing PostgreSQL and a data directory; every test of this file runs against all three."""
     database = None
-    if request.param == "postgresql":
+    if request.param != "sqlite":
         from postgres import fresh_database
 
         database = fresh_database(request.getfixturevalue("postgres_server_url"))
+    if request.param == "ray":
+        from live_server import running_ray
+
+        with running_ray(tiny_model_dir, tmp_path_factory.mktemp("data"), database, replicas=2,
+                         max_new_tokens_limit=128) as url:
+            yield url
+        return
     # a model of its own: the server attaches ASU adapters to it in place
     lm = load_model(tiny_model_dir)
     with running_server(lm, tmp_path_factory.mktemp("data"), max_new_tokens_limit=128, database_url=database) as url:

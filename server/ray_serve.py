@@ -1,0 +1,233 @@
+"""Lethe on Ray Serve: several replicas of the whole server behind one HTTP address (`lethe serve --ray`).
+
+    client -> Ray Serve's HTTP proxy -> Router (1 replica, no model) -> Replica (N, each a whole Lethe server:
+                                         picks the head id             its own engine on its own device)
+                                                                          |
+                                       PostgreSQL (tenants, keys, datasets, heads, jobs, profiles) and one
+                                       data directory (dataset, head and adapter files) shared by all
+
+Every replica runs the same FastAPI app as the one-process server, so the API, the OpenAI routes and their
+errors are the same. The router reads the profile a generation request asks for (the tenant's current version,
+from the database) and sends the request with that profile's head (or ASU weights) id as Ray Serve's
+multiplexed model id: Ray routes it to a replica that already holds that head, and each replica keeps its own
+LRU of heads and adapters (`LETHE_HEAD_CACHE_SIZE`, `LETHE_ADAPTER_CACHE_SIZE`). Everything else goes to any
+replica. Each replica admits the request again itself, so it pins the version it reads then (a swap between the
+router's read and the replica's admission only changes which replica answers, never which version: the one
+the replica admitted, named in the response).
+
+Requests travel to a replica as (method, path, query, headers, body) and come back as a stream: first the
+status and headers, then the body's chunks as the app sends them, so server-sent events stream through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from lethe.server.settings import Settings
+
+log = logging.getLogger("lethe.ray")
+
+GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def _key(headers: dict[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+def routing_id(store, path: str, headers: dict[str, str], body: bytes) -> str:
+    """The multiplexed model id of a request: for a generation request asking for a profile, its current
+    version's head (or ASU weights) id; '' for the base model and for everything else (any replica)."""
+    if path not in GENERATION or not body:
+        return ""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(payload, dict):
+        return ""
+    if path == "/generate":
+        profile = payload.get("profile")
+    else:
+        profile = payload.get("unlearning_profile") or payload.get("model")
+    if isinstance(profile, dict):  # an inline profile names its head or weights itself
+        return str(profile.get("head") or profile.get("weights") or "")
+    key = _key(headers)
+    if not isinstance(profile, str) or not profile or profile == "base" or key is None:
+        return ""
+    tenant = store.tenant_for_key(key)
+    current = store.current_profile(tenant, profile) if tenant else None
+    if current is None:
+        return ""
+    return str(current[1].get("head") or current[1].get("weights") or "")
+
+
+async def call_asgi(app, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+                    body: bytes) -> AsyncIterator[dict | bytes]:
+    """One HTTP request through an ASGI app in this process: yields {"status", "headers"}, then the body's
+    chunks as the app sends them. Closing the iterator early is the client going away (the app sees
+    `http.disconnect`, and a stream's row stops)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 0), "server": ("lethe", 80)}
+    messages: asyncio.Queue[dict] = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await messages.put(message)
+
+    task = asyncio.ensure_future(app(scope, receive, send))
+    task.add_done_callback(lambda t: messages.put_nowait({"type": "lethe.done"}))
+    try:
+        while True:
+            message = await messages.get()
+            if message["type"] == "http.response.start":
+                yield {"status": message["status"],
+                       "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+            elif message["type"] == "lethe.done":
+                if task.exception() is not None:
+                    raise task.exception()
+                return
+    finally:
+        gone.set()
+        if not task.done():
+            await asyncio.wait({task}, timeout=5)
+
+
+async def start_lifespan(app) -> None:
+    """Run the app's start-up (model, store, engine, jobs) as an ASGI server would, and keep it running."""
+    started: asyncio.Future = asyncio.get_running_loop().create_future()
+    incoming: asyncio.Queue[dict] = asyncio.Queue()
+    await incoming.put({"type": "lifespan.startup"})
+
+    async def send(message: dict) -> None:
+        if message["type"] == "lifespan.startup.complete" and not started.done():
+            started.set_result(None)
+        elif message["type"] == "lifespan.startup.failed" and not started.done():
+            started.set_exception(RuntimeError(message.get("message") or "start-up failed"))
+
+    app.state.lifespan_task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                                                        incoming.get, send))
+    await started
+
+
+def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_per_replica: int = 64):
+    """The Ray Serve application: a router in front of `replicas` Lethe replicas, each given `threads` CPUs
+    (its torch threads) and, on a GPU machine, `settings.device` as its own."""
+    from ray import serve
+
+    @serve.deployment(name="lethe-replica", num_replicas=replicas, max_ongoing_requests=settings.max_queue,
+                      ray_actor_options={"num_cpus": threads, "num_gpus": 1 if settings.device == "cuda" else 0},
+                      health_check_period_s=5, health_check_timeout_s=30)
+    class Replica:
+        def __init__(self, settings: Settings, threads: int):
+            import torch
+
+            from lethe.server.app import create_app
+
+            torch.set_num_threads(threads)
+            self.app = create_app(settings)
+            self._ready: asyncio.Task | None = None
+
+        async def _started(self) -> None:
+            if self._ready is None:
+                self._ready = asyncio.ensure_future(start_lifespan(self.app))
+            await self._ready
+
+        @serve.multiplexed(max_num_models_per_replica=max_heads_per_replica)
+        async def _holding(self, model_id: str) -> str:
+            """Tells Ray's router this replica holds `model_id` (the app's own caches hold the head itself)."""
+            return model_id
+
+        async def handle(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+                         body: bytes) -> AsyncIterator[dict | bytes]:
+            await self._started()
+            model_id = serve.get_multiplexed_model_id()
+            if model_id:
+                await self._holding(model_id)
+            async for part in call_asgi(self.app, method, path, query, headers, body):
+                yield part
+
+        async def check_health(self) -> None:
+            """Ray restarts a replica whose engine thread died."""
+            if self._ready is not None and self._ready.done():
+                self._ready.result()
+                engine = self.app.state.engine
+                if not engine._thread.is_alive():
+                    raise RuntimeError("the engine thread stopped")
+
+    @serve.deployment(name="lethe-router", num_replicas=1, max_ongoing_requests=10_000,
+                      ray_actor_options={"num_cpus": 0})
+    class Router:
+        """Receives every HTTP request and forwards it to a replica, by head id for generation requests."""
+
+        def __init__(self, settings: Settings, replica):
+            from lethe.server.storage import Store
+
+            self.store = Store(settings.data_dir, settings.database_url)
+            self.replica = replica
+
+        async def __call__(self, request):
+            from starlette.concurrency import run_in_threadpool
+            from starlette.responses import StreamingResponse
+
+            body = await request.body()
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            model_id = await run_in_threadpool(routing_id, self.store, request.url.path, headers, body)
+            stream = self.replica.options(stream=True, multiplexed_model_id=model_id).handle.remote(
+                request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+            head = await stream.__anext__()
+
+            async def rest():
+                async for chunk in stream:
+                    yield chunk
+
+            headers = [(k, v) for k, v in head["headers"] if k.lower() != "content-length"]
+            response = StreamingResponse(rest(), status_code=head["status"])
+            response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers] + \
+                [(b"x-lethe-routed-to", (model_id or "any").encode())]
+            return response
+
+    return Router.bind(settings, Replica.bind(settings, threads))
+
+
+def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus: int | None = None,
+                  address: str | None = None) -> None:
+    """`lethe serve --ray`: start (or join, with `address`) a Ray cluster, deploy, and serve until interrupted."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
+             ignore_reinit_error=True, log_to_driver=True)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(deployment(settings, replicas, threads), name="lethe", route_prefix="/")
+    log.warning("lethe: %d replicas on Ray Serve at http://%s:%d", replicas, settings.host, settings.port)
+    print(f"lethe: {replicas} replicas on Ray Serve at http://{settings.host}:{settings.port}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
