@@ -64,7 +64,7 @@ def cmd_serve(args) -> int:
     flags = {"model": args.model, "host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
              "data_dir": args.data_dir, "max_batch_size": args.max_batch_size, "max_queue": args.max_queue,
              "max_model_len": args.max_model_len, "served_model_name": args.served_model_name,
-             "chat_template": args.chat_template}
+             "chat_template": args.chat_template, "database_url": args.database_url}
     # flags over the config file, the file over LETHE_* variables, those over the defaults
     values = (read_config(args.config) if args.config else {}) | {k: v for k, v in flags.items() if v is not None}
     try:
@@ -73,6 +73,10 @@ def cmd_serve(args) -> int:
         raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
                                    for err in e.errors())) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.ray:
+        return _serve_on_ray(settings, args)
+    if args.replicas is not None or args.ray_address is not None:
+        raise ValueError("--replicas and --ray-address need --ray")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     lm = load_model(settings.model, settings.device, settings.dtype)
     if settings.chat_template is not None:  # a template that does not render fails here, before any key is made
@@ -81,6 +85,24 @@ def cmd_serve(args) -> int:
           f"(data in {settings.data_dir.resolve()})", flush=True)
     config = uvicorn.Config(create_app(settings, lm), host=settings.host, port=settings.port, log_level="info")
     uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _serve_on_ray(settings, args) -> int:
+    """`lethe serve --ray`: replicas of the server on Ray Serve, sharing a PostgreSQL database and a data directory."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--ray needs Ray Serve: pip install 'lethe[ray]'")
+    from lethe.server.ray_serve import serve_forever
+    if not (settings.database_url or "").startswith(("postgresql", "postgres:")):
+        raise ValueError("--ray needs a database the replicas share: --database-url postgresql://user@host/db "
+                         "(or LETHE_DATABASE_URL)")
+    replicas = args.replicas or 2
+    if replicas < 1 or args.threads_per_replica < 1:
+        raise ValueError("--replicas and --threads-per-replica must be at least 1")
+    _listen(settings.host, settings.port).close()  # a busy port fails now, before Ray starts
+    serve_forever(settings, replicas, args.threads_per_replica, address=args.ray_address)
     return 0
 
 
@@ -575,6 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "the tokenizer's")
     p.add_argument("--config", type=Path, default=None,
                    help="settings from a TOML or JSON file (names as the LETHE_* variables, lower case); flags win")
+    p.add_argument("--database-url", default=None, help="metadata database (default: SQLite in the data directory; "
+                                                        "postgresql://user@host/db to share it between replicas)")
+    p.add_argument("--ray", action="store_true", help="serve with replicas on Ray Serve (pip install 'lethe[ray]'; "
+                                                      "needs a PostgreSQL --database-url)")
+    p.add_argument("--replicas", type=int, default=None, help="with --ray: replicas, each a whole server (default 2)")
+    p.add_argument("--threads-per-replica", type=int, default=1, help="with --ray: CPUs (torch threads) per replica")
+    p.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster (default: start one here)")
     p.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="models users have: prepare a GGUF file once for fast starts"

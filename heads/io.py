@@ -13,10 +13,20 @@ from pathlib import Path
 
 
 def crash_point(name: str) -> None:
-    """Fault injection for the crash-consistency tests: with LETHE_CRASH_AT=<name> in the environment, the
-    process kills itself (SIGKILL, as `kill -9`) when it reaches this point. Unset, it does nothing."""
-    if os.environ.get("LETHE_CRASH_AT") == name:
+    """Fault injection for the crash-consistency tests: with LETHE_CRASH_AT=<name> (or a comma-separated list
+    of names) in the environment, the process kills itself (SIGKILL, as `kill -9`) when it reaches this point.
+    Unset, it does nothing."""
+    if name in os.environ.get("LETHE_CRASH_AT", "").split(","):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_after_tokens() -> int | None:
+    """With `decode:N` in LETHE_CRASH_AT: the answer length at which the decode loop kills its process (a replica
+    dying mid-stream, for the fault tests); read once per batch, so the loop's check is one comparison."""
+    for name in os.environ.get("LETHE_CRASH_AT", "").split(","):
+        if name.startswith("decode:") and name[7:].isdigit():
+            return int(name[7:])
+    return None
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from starlette.requests import ClientDisconnect
 
 from lethe.heads.modelio import LoadedModel, load_model
@@ -228,7 +228,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         app.state.heads = HeadCache(store, model, settings.head_cache_size)
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
         app.state.quotas = Quotas(store, settings)
-        app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads)
+        app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads,
+                                   settings.job_stale_seconds)
         try:
             yield
         finally:
@@ -284,6 +285,15 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):
         return _error(request, 429, f"server busy: {exc}", {"Retry-After": "1"})
+
+    @app.exception_handler(DBAPIError)
+    async def _database_away(request: Request, exc: DBAPIError):
+        """The database went away (a PostgreSQL restart, say): 503 until it is back, and the pool reconnects by
+        itself. Requests already admitted decode on; they need no database."""
+        if not exc.connection_invalidated and not isinstance(exc, (OperationalError, InterfaceError)):
+            raise exc
+        log.warning("database unavailable: %s", type(exc.orig).__name__ if exc.orig is not None else exc)
+        return _error(request, 503, "the metadata database is unavailable for a moment: retry", {"Retry-After": "1"})
 
     @app.get("/healthz", response_model=Health, tags=["operations"])
     async def healthz() -> Health:

@@ -37,8 +37,9 @@ class Cancelled(Exception):
 
 
 class JobRunner:
-    def __init__(self, store: Store, engine, metrics=None, heads=None):
+    def __init__(self, store: Store, engine, metrics=None, heads=None, stale: float = STALE):
         self.store, self.engine, self.metrics, self.heads = store, engine, metrics, heads
+        self.stale = stale  # seconds without a heartbeat after which a running job's worker is taken for dead
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
         self._last_start: dict[str, float] = {}  # tenant -> when its last job started (fair turns)
@@ -47,7 +48,7 @@ class JobRunner:
         self._thread.start()
 
     def _recover(self) -> None:
-        self.fail_stale(0.0 if not self.store.shared else STALE)
+        self.fail_stale(0.0 if not self.store.shared else self.stale)
         for row in self.store.q("SELECT id FROM jobs WHERE status = 'queued' ORDER BY created"):
             self.queue.put(row["id"])
 
@@ -105,7 +106,7 @@ class JobRunner:
                                "progress = 0 WHERE id = ? AND status = 'queued'", (now, now, job_id))]) == 1
 
     def _beat(self, job_id: str, done: threading.Event) -> None:
-        while not done.wait(HEARTBEAT):
+        while not done.wait(min(HEARTBEAT, self.stale / 4)):
             try:
                 self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
                                 (time.time(), job_id))])
@@ -115,10 +116,15 @@ class JobRunner:
     def _run(self) -> None:
         while True:
             try:
-                item = self.queue.get(timeout=STALE / 2)
+                item = self.queue.get(timeout=self.stale / 2)
             except queue.Empty:  # idle: fail the jobs whose worker died (another replica's, on a shared database)
                 if self.store.shared:
-                    self.fail_stale(STALE)
+                    try:
+                        self.fail_stale(self.stale)
+                        if self.store.q("SELECT id FROM jobs WHERE status = 'queued' LIMIT 1"):
+                            self.queue.put("")  # queued by a replica that died before it ran them
+                    except Exception:  # the database is away for a moment: the next round tries again
+                        log.warning("could not check for stale or queued jobs", exc_info=True)
                 continue
             if item is None:
                 return

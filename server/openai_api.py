@@ -82,6 +82,7 @@ class OpenAIRequest(ValidText):
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K, description="vLLM's: the k likeliest tokens (0 or -1: off).")
     min_p: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description="vLLM's: tokens below min_p x the best.")
+    min_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS, description="vLLM's: no end of text before this many tokens.")
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOPS)
@@ -136,7 +137,8 @@ class OpenAIRequest(ValidText):
                               frequency_penalty=self.frequency_penalty,
                               seed=None if self.seed is None else self.seed + choice, stop=[s for s in stop if s],
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              untilted_logprobs=self.lethe_untilted_logprobs and logprobs is not None)
+                              untilted_logprobs=self.lethe_untilted_logprobs and logprobs is not None,
+                              min_new_tokens=self.min_tokens)
 
 
 class CompletionRequest(OpenAIRequest):

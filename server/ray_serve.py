@@ -131,14 +131,19 @@ async def start_lifespan(app) -> None:
     await started
 
 
-def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_per_replica: int = 64):
+def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_per_replica: int = 64,
+               env: dict[str, str] | None = None):
     """The Ray Serve application: a router in front of `replicas` Lethe replicas, each given `threads` CPUs
-    (its torch threads) and, on a GPU machine, `settings.device` as its own."""
+    (its torch threads) and, on a GPU machine, `settings.device` as its own; `env`: environment variables of
+    the replicas' processes."""
     from ray import serve
 
+    options = {"num_cpus": threads, "num_gpus": 1 if settings.device == "cuda" else 0}
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+
     @serve.deployment(name="lethe-replica", num_replicas=replicas, max_ongoing_requests=settings.max_queue,
-                      ray_actor_options={"num_cpus": threads, "num_gpus": 1 if settings.device == "cuda" else 0},
-                      health_check_period_s=5, health_check_timeout_s=30)
+                      ray_actor_options=options, health_check_period_s=5, health_check_timeout_s=30)
     class Replica:
         def __init__(self, settings: Settings, threads: int):
             import torch
@@ -148,6 +153,7 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
             torch.set_num_threads(threads)
             self.app = create_app(settings)
             self._ready: asyncio.Task | None = None
+            self.name = serve.get_replica_context().replica_id.unique_id  # answers say which replica answered
 
         async def _started(self) -> None:
             if self._ready is None:
@@ -166,6 +172,8 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
             if model_id:
                 await self._holding(model_id)
             async for part in call_asgi(self.app, method, path, query, headers, body):
+                if isinstance(part, dict):
+                    part["headers"].append(("x-lethe-replica", self.name))
                 yield part
 
         async def check_health(self) -> None:
@@ -189,18 +197,36 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
 
         async def __call__(self, request):
             from starlette.concurrency import run_in_threadpool
-            from starlette.responses import StreamingResponse
+            from starlette.responses import JSONResponse, StreamingResponse
 
             body = await request.body()
             headers = {k.lower(): v for k, v in request.headers.items()}
-            model_id = await run_in_threadpool(routing_id, self.store, request.url.path, headers, body)
+            try:
+                model_id = await run_in_threadpool(routing_id, self.store, request.url.path, headers, body)
+            except Exception as e:  # the database is away: any replica (which answers 503 if it needs it)
+                log.warning("routing without the database: %s", type(e).__name__)
+                model_id = ""
             stream = self.replica.options(stream=True, multiplexed_model_id=model_id).handle.remote(
                 request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
-            head = await stream.__anext__()
+            try:
+                head = await stream.__anext__()
+            except Exception as e:  # the replica died before answering: Ray restarts it; the client may retry
+                log.warning("a replica failed before answering: %s", type(e).__name__)
+                return JSONResponse({"detail": "the replica serving this request stopped; retry"}, status_code=503,
+                                    headers={"Retry-After": "1"})
+            events = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
 
             async def rest():
-                async for chunk in stream:
-                    yield chunk
+                try:
+                    async for chunk in stream:
+                        yield chunk
+                except Exception as e:  # the replica died mid-answer: a stream ends with an error event
+                    log.warning("a replica failed mid-answer: %s", type(e).__name__)
+                    if not events:
+                        raise
+                    error = {"error": {"message": "the replica serving this stream stopped; retry the request",
+                                       "type": "server_error", "param": None, "code": 503}}
+                    yield f"data: {json.dumps(error)}\n\n".encode()
 
             headers = [(k, v) for k, v in head["headers"] if k.lower() != "content-length"]
             response = StreamingResponse(rest(), status_code=head["status"])

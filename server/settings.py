@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("lethe-data"), description="SQLite metadata, datasets and heads.")
     database_url: str | None = Field(None, description="Metadata database: SQLite in the data directory by default; "
                                                        "postgresql://user@host/db to share it between replicas.")
+    job_stale_seconds: float = Field(60.0, gt=0, description="A running job without a heartbeat for this long lost "
+                                                             "its worker (a replica that died): it is marked failed.")
     admin_key: str | None = Field(None, description="Bearer key for the admin endpoints (tenants, keys).")
     allow_anonymous: bool = Field(True, description="Requests without a key may generate from the base model.")
     demo_tenant: bool = Field(True, description="On first start, create a 'demo' tenant and print its key.")

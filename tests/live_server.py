@@ -51,7 +51,7 @@ def new_tenant(url: str, name: str) -> httpx.Client:
 
 
 @contextmanager
-def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, **overrides):
+def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: dict | None = None, **overrides):
     """Lethe on a local Ray cluster (the machine's 2 CPUs): `replicas` replicas of the server, 1 torch thread each,
     sharing the PostgreSQL database `database_url` and `data_dir`, behind Ray Serve's HTTP proxy; yields its URL."""
     import ray
@@ -65,7 +65,7 @@ def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, **ove
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(deployment(settings, replicas, threads=1), name="lethe", route_prefix="/")
+        serve.run(deployment(settings, replicas, threads=1, env=env), name="lethe", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

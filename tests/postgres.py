@@ -31,28 +31,41 @@ def _as_user() -> list[str]:
     return ["runuser", "-u", "postgres", "--"]
 
 
+class PostgresServer:
+    """A server with its data in `folder` (user `lethe`, trust authentication on loopback); `url` is its
+    `postgres` database. `stop()` and `start()` again keep the data and the port (a restart under load)."""
+
+    def __init__(self, folder: Path):
+        self.bindir = binaries()
+        assert self.bindir is not None, "PostgreSQL is not installed (Debian: apt-get install postgresql)"
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam("postgres")
+            os.chown(folder, entry.pw_uid, entry.pw_gid)
+        self.folder, self.data, self.port = folder, folder / "data", free_port()
+        self.url = f"postgresql://lethe@127.0.0.1:{self.port}/postgres"
+        subprocess.run([*_as_user(), str(self.bindir / "initdb"), "-D", str(self.data), "-U", "lethe", "--auth=trust",
+                        "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        subprocess.run([*_as_user(), str(self.bindir / "pg_ctl"), "-D", str(self.data), "-o", options, "-l",
+                        str(self.folder / "log"), "-w", "start"], check=True, capture_output=True, timeout=120)
+
+    def stop(self, mode: str = "fast") -> None:
+        subprocess.run([*_as_user(), str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"],
+                       capture_output=True, timeout=120)
+
+
 @contextmanager
 def postgres_server(folder: Path):
-    """Start a server with its data in `folder`; yields a URL of its `postgres` database (user `lethe`, trust
-    authentication on loopback). Stopped, fast, on exit."""
-    bindir = binaries()
-    assert bindir is not None, "PostgreSQL is not installed (Debian: apt-get install postgresql)"
-    folder.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() == 0:
-        entry = pwd.getpwnam("postgres")
-        os.chown(folder, entry.pw_uid, entry.pw_gid)
-    data, port = folder / "data", free_port()
-    run = _as_user()
-    subprocess.run([*run, str(bindir / "initdb"), "-D", str(data), "-U", "lethe", "--auth=trust", "-E", "UTF8",
-                    "--no-sync"], check=True, capture_output=True, timeout=120)
-    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    subprocess.run([*run, str(bindir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(folder / "log"), "-w",
-                    "start"], check=True, capture_output=True, timeout=120)
+    """Start a server with its data in `folder`; yields its URL. Stopped at once on exit."""
+    server = PostgresServer(folder)
+    server.start()
     try:
-        yield f"postgresql://lethe@127.0.0.1:{port}/postgres"
+        yield server.url
     finally:
-        subprocess.run([*run, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
-                       capture_output=True, timeout=120)
+        server.stop("immediate")
 
 
 def fresh_database(server_url: str) -> str:

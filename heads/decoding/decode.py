@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from lethe.heads.decoding.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from lethe.heads.io import crash_after_tokens, crash_point
 from lethe.heads.decoding.repeats import ban_repeats, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 from lethe.heads.t3.guide import whole_vocabulary
@@ -154,6 +155,8 @@ class Batch:
         self.positions = count - 1
         self.count = count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
         self._last_hidden = last
+        self._min_tokens = any(p.min_new_tokens for p in params)
+        self._crash_at = crash_after_tokens()
         for row in self.rows:
             if row.params.max_new_tokens == 0:  # the prompt alone: finished before its first step
                 row.finish_reason = "length"
@@ -207,6 +210,8 @@ class Batch:
             logits = self._guided(logits)
         logits = penalize(logits, [r.token_ids for r in self.rows], [r.params.presence_penalty for r in self.rows],
                           [r.params.frequency_penalty for r in self.rows])
+        if self._min_tokens:
+            logits = self._hold_eos(logits)
         failed: dict[int, Exception] = {}
         tokens = sample(logits, self.temperature, self.top_k, self.top_p, [r.generator for r in self.rows], failed,
                         self.min_p)
@@ -230,6 +235,14 @@ class Batch:
             self.count = self.count + 1
             self._last_hidden = hidden
         return emitted
+
+    def _hold_eos(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rows short of their min_new_tokens cannot choose the end-of-text token yet."""
+        short = [i for i, r in enumerate(self.rows) if len(r.token_ids) < r.params.min_new_tokens]
+        if short and self.eos:
+            logits = logits.clone()
+            logits[torch.tensor(short)[:, None], torch.tensor(sorted(self.eos))[None, :]] = float("-inf")
+        return logits
 
     def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor, untilted: list[int],
                   base: torch.Tensor | None) -> dict[int, tuple[TokenLogprob, TokenLogprob | None]]:
@@ -316,6 +329,8 @@ class Batch:
             row.finish_reason = "stop"
             return
         row.token_ids.append(token)
+        if len(row.token_ids) == self._crash_at:
+            crash_point(f"decode:{self._crash_at}")
         row.text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
         if row.forced and len(row.token_ids) >= len(row.forced):  # the whole reply is out: it ends here
             row.finish_reason = "stop"
@@ -358,6 +373,7 @@ class Batch:
         self.attention_mask = torch.cat([left_pad(self.attention_mask, 1), left_pad(other.attention_mask, 1)])
         for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self._min_tokens = self._min_tokens or other._min_tokens
         if self.adapters is not None or other.adapters is not None:
             self.adapters = (self.adapters or ["__base__"] * len(self.rows)) + \
                 (other.adapters or ["__base__"] * len(other.rows))

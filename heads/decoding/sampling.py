@@ -36,11 +36,13 @@ class SamplingParams:
     logprobs: int | None = None  # each new token's log-probability and this many likeliest others' (None: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: none)
     untilted_logprobs: bool = False  # also the base model's own log-probabilities at the same positions
+    min_new_tokens: int = 0  # vLLM's min_tokens: the end-of-text token cannot be chosen before this many
 
     def __post_init__(self):
         """Checked wherever they are made (HTTP, CLI, Python), so no value reaches a batch that fails it."""
         # max_new_tokens 0: the prompt alone (its log-probabilities, say), nothing generated
         for name, low, high in (("max_new_tokens", 0, MAX_NEW_TOKENS), ("top_k", 0, MAX_TOP_K),
+                                ("min_new_tokens", 0, MAX_NEW_TOKENS),
                                 ("logprobs", 0, MAX_LOGPROBS), ("prompt_logprobs", 0, MAX_LOGPROBS)):
             value = getattr(self, name)
             if value is None and name.endswith("logprobs"):
