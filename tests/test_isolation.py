@@ -5,6 +5,7 @@ Each test here failed on the code before the fix it names (finding numbers are i
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -587,9 +588,11 @@ def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_di
                 time.sleep(0.05)
             took = time.perf_counter() - t0
         assert upload.result().status_code == 201, upload.result().text
-        # the client and the server share this process, so some wait is the client's; parsing on the event loop
-        # made it 3-4 s here
-        assert max(waits) < 1.0, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
+        # the client and the server share this process (and its GIL), so some wait is the client's and a loaded
+        # machine adds single outliers (1.1 s was seen once in CI); parsing on the event loop stalled /healthz for the
+        # whole parse, 3.7 s here, and 8 s in the probe that found it
+        assert max(waits) < 2.0, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
+        assert statistics.median(waits) < 0.25, f"/healthz's median wait {statistics.median(waits):.2f} s"
         recs = _jsonl(tiny_records[:20])
         d = c.post("/v1/datasets", content=recs).json()["id"]
         job = c.post("/v1/eval", json={"forget": d, "retain": d, "seeds": list(range(10)), "max_new_tokens": 200})
