@@ -554,6 +554,26 @@ def cmd_bench_heads(args) -> int:
     return 0
 
 
+def cmd_bench_scale(args) -> int:
+    import importlib.util
+
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.server.scale import bench_scale
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("psycopg") is None:
+        raise ValueError("bench scale needs Ray Serve and psycopg: pip install 'lethe[ray]'")
+    lm = load_model(args.model, "cpu", "float32")
+    result = bench_scale(args.model, lm, args.database_url, tenants=args.tenants, clients=args.clients,
+                         duration=args.duration, max_tokens=args.max_new_tokens,
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=1)
+    if args.out:
+        atomic_write_text(args.out, text + "\n")
+    print(text)
+    return 0
+
+
 def _add_resource_commands(group, kind: str, label: str) -> None:
     """`list`, `get ID` and `delete ID` for one kind of server resource (they need --url)."""
     from lethe.clients import remote
@@ -897,6 +917,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="port (default 8766)")
     _offline_defaults(p, port=8766)
     p.set_defaults(func=cmd_bench_heads)
+
+    p = bench.add_parser("scale", help="2 Ray Serve replicas against 1, and Ray's routing overhead (ms)",
+                         description="On PostgreSQL (--database-url, or a throwaway server where Debian's postgresql "
+                                     "is installed), 8 tenants with random heads: the plain server with 1 client, "
+                                     "then Ray Serve with 1 replica and with 2 (1 torch thread each), 16 clients. "
+                                     "Run it alone: it uses every core.")
+    _add_model_args(p)
+    p.add_argument("--database-url", default=None, help="postgresql://... (default: a throwaway local server)")
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per deployment (default 30)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
+    p.set_defaults(func=cmd_bench_scale)
     _connection_options_everywhere(parser)
     return parser
 

@@ -156,9 +156,11 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
             self.name = serve.get_replica_context().replica_id.unique_id  # answers say which replica answered
 
         async def _started(self) -> None:
+            """Start the app once (its first caller, or the first health check, begins it); a caller that gives up
+            while it starts must not cancel the start for everyone (shield)."""
             if self._ready is None:
                 self._ready = asyncio.ensure_future(start_lifespan(self.app))
-            await self._ready
+            await asyncio.shield(self._ready)
 
         @serve.multiplexed(max_num_models_per_replica=max_heads_per_replica)
         async def _holding(self, model_id: str) -> str:
@@ -177,8 +179,11 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
                 yield part
 
         async def check_health(self) -> None:
-            """Ray restarts a replica whose engine thread died."""
-            if self._ready is not None and self._ready.done():
+            """Ray restarts a replica whose start failed or whose engine thread died. The first check begins the
+            start, so a replica is warm before its first request."""
+            if self._ready is None:
+                self._ready = asyncio.ensure_future(start_lifespan(self.app))
+            if self._ready.done():
                 self._ready.result()
                 engine = self.app.state.engine
                 if not engine._thread.is_alive():

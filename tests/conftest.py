@@ -81,7 +81,7 @@ def real_lm():
 def postgres_server_url():
     """A PostgreSQL server of the suite's own (tests/postgres.py), started once. Where PostgreSQL is not installed
     a developer's run skips its tests; CI fails (`.ci/run` installs Debian's postgresql first)."""
-    from postgres import binaries, postgres_server
+    from lethe.server.pg_local import binaries, postgres_server
 
     if binaries() is None:
         if os.environ.get("CI"):
@@ -104,6 +104,6 @@ def database_url(request):
     PostgreSQL database."""
     if request.param == "sqlite":
         return None
-    from postgres import fresh_database
+    from lethe.server.pg_local import fresh_database
 
     return fresh_database(request.getfixturevalue("postgres_server_url"))

@@ -25,7 +25,7 @@ def live(request, tiny_model_dir, tmp_path_factory):
     on Ray Serve sharing PostgreSQL and a data directory; every test of this file runs against all three."""
     database = None
     if request.param != "sqlite":
-        from postgres import fresh_database
+        from lethe.server.pg_local import fresh_database
 
         database = fresh_database(request.getfixturevalue("postgres_server_url"))
     if request.param == "ray":

@@ -21,7 +21,7 @@ from lethe.heads.t3.head import save_head
 from lethe.heads.t3.pipeline import train_head
 from lethe.heads.t3.train import FitConfig
 from live_server import ADMIN_KEY, running_ray
-from postgres import PostgresServer, binaries, fresh_database
+from lethe.server.pg_local import PostgresServer, binaries, fresh_database
 
 pytestmark = pytest.mark.skipif(binaries() is None, reason="PostgreSQL is not installed")
 

@@ -1,5 +1,6 @@
-"""A PostgreSQL server of the tests' own: Debian's binaries, `initdb` in a temporary folder, run as an
-unprivileged user (PostgreSQL refuses root), listening on 127.0.0.1 at a free port."""
+"""A throwaway PostgreSQL server, for the tests and `lethe bench scale`: Debian's binaries, `initdb` in a
+temporary folder, run as an unprivileged user (PostgreSQL refuses root), on 127.0.0.1 at a free port, trust
+authentication, fsync off. Never for data anyone keeps."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import glob
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from live_server import free_port
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def binaries() -> Path | None:
