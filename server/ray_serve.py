@@ -262,3 +262,13 @@ def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def app(args: dict):
+    """The application builder for Ray Serve's own CLI and config files (`serve run lethe.server.ray_serve:app
+    replicas=2`, or `import_path: lethe.server.ray_serve:app` in a config file): settings from the LETHE_*
+    environment variables, `replicas` and `threads_per_replica` from `args`."""
+    settings = Settings()
+    if not (settings.database_url or "").startswith(("postgresql", "postgres:")):
+        raise ValueError("Lethe on Ray Serve needs LETHE_DATABASE_URL=postgresql://... (a database the replicas share)")
+    return deployment(settings, int(args.get("replicas", 2)), int(args.get("threads_per_replica", 1)))

@@ -106,3 +106,23 @@ def test_wheel_installs_in_a_fresh_venv_and_its_commands_run(tmp_path):
     done = subprocess.run([str(py), "-c", "from lethe.clients.client import Lethe, AsyncLethe; import lethe.server.app"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_scale_files_run_lethe_on_ray_with_postgresql_and_one_shared_data_volume():
+    compose = yaml.safe_load((ROOT / "docker" / "compose.scale.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "ray-head", "ray-worker"} <= set(services)
+    head, worker = services["ray-head"], services["ray-worker"]
+    for node in (head, worker):
+        assert node["build"]["args"]["EXTRAS"] == "[ray]" and node["build"]["dockerfile"] == "docker/Dockerfile"
+        assert node["environment"]["LETHE_DATABASE_URL"].startswith("postgresql://")
+        assert "lethe-data:/data" in node["volumes"]  # one data directory for every replica
+    assert "lethe serve --ray" in head["command"] and "ray start --address=ray-head" in worker["command"]
+    assert 'ARG EXTRAS=""' in (ROOT / "docker" / "Dockerfile").read_text()
+    config = yaml.safe_load((ROOT / "docker" / "serve.scale.yaml").read_text())
+    (application,) = config["applications"]
+    module, builder = application["import_path"].split(":")
+    import importlib
+
+    assert callable(getattr(importlib.import_module(module), builder))  # Ray Serve's CLI can import it
+    assert application["runtime_env"]["env_vars"]["LETHE_DATABASE_URL"].startswith("postgresql://")

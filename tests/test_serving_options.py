@@ -98,3 +98,14 @@ def test_what_the_first_independent_test_found(served, tmp_path):
         read_config(tmp_path / "list.json")
     with pytest.raises(ValueError, match="abstain"):
         TiltSettings(abstain="   ").replace()
+
+
+def test_serve_on_ray_says_what_it_needs(capsys):
+    """`lethe serve --ray` refuses, naming the fix, before it starts anything: replicas need a shared PostgreSQL
+    database; the Ray flags need --ray."""
+    from lethe.clients.cli import main
+
+    assert main(["serve", "--ray", "--database-url", "sqlite:///x.db"]) == 1
+    assert "--database-url postgresql://" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "3"]) == 1
+    assert "need --ray" in capsys.readouterr().err
