@@ -28,7 +28,8 @@ from lethe.server.storage import Store, new_id
 
 log = logging.getLogger("lethe.jobs")
 TERMINAL = ("succeeded", "failed", "cancelled")
-HEARTBEAT = 5.0  # seconds between a running job's heartbeats
+HEARTBEAT = 5.0  # seconds between a running job's heartbeats (and its checks for a cancel asked elsewhere)
+CANCEL_ASKED = "cancel requested"  # a running job's error while its worker has not yet stopped it
 STALE = 60.0  # a running job without a heartbeat for this long lost its worker
 
 
@@ -69,13 +70,19 @@ class JobRunner:
         return job_id
 
     def cancel(self, tenant_id: str, job_id: str) -> bool:
-        """Cancel a queued or running job; False when it had already ended."""
+        """Cancel a queued or running job; False when it had already ended. A job running on another replica
+        (a shared database) reads the request at its next heartbeat and stops there."""
         job = self.store.get("jobs", tenant_id, job_id)
         if job is None or job["status"] in TERMINAL:
             return False
-        self._cancel.setdefault(job_id, threading.Event()).set()
-        if job["status"] == "queued":
-            self._finish(job_id, "cancelled", error="cancelled before it started")
+        if job_id in self._cancel:  # running here: at its next progress report
+            self._cancel[job_id].set()
+        if job["status"] == "queued" and self.store.tx([(
+                "UPDATE jobs SET status = 'cancelled', error = ?, finished = ? WHERE id = ? AND status = 'queued'",
+                ("cancelled before it started", time.time(), job_id))]) == 1:
+            return True
+        # running (here, or on another replica: it was claimed as we looked)
+        self.store.tx([("UPDATE jobs SET error = ? WHERE id = ? AND status = 'running'", (CANCEL_ASKED, job_id))])
         return True
 
     def close(self) -> None:
@@ -105,11 +112,14 @@ class JobRunner:
         return self.store.tx([("UPDATE jobs SET status = 'running', started = ?, heartbeat = ?, phase = 'caching', "
                                "progress = 0 WHERE id = ? AND status = 'queued'", (now, now, job_id))]) == 1
 
-    def _beat(self, job_id: str, done: threading.Event) -> None:
+    def _beat(self, job_id: str, done: threading.Event, cancel: threading.Event) -> None:
+        """While the job runs: its heartbeat, and a cancel asked through another replica passed on to it."""
         while not done.wait(min(HEARTBEAT, self.stale / 4)):
             try:
                 self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
                                 (time.time(), job_id))])
+                if self.store.q("SELECT id FROM jobs WHERE id = ? AND error = ?", job_id, CANCEL_ASKED):
+                    cancel.set()
             except Exception:  # a database that is away for a moment: the next beat tries again
                 log.warning("heartbeat of job %s not written", job_id, exc_info=True)
 
@@ -139,7 +149,8 @@ class JobRunner:
             self._last_start[job["tenant_id"]] = started
             cancel = self._cancel.setdefault(job_id, threading.Event())
             beating = threading.Event()
-            threading.Thread(target=self._beat, args=(job_id, beating), name="lethe-job-heartbeat", daemon=True).start()
+            threading.Thread(target=self._beat, args=(job_id, beating, cancel), name="lethe-job-heartbeat",
+                             daemon=True).start()
             status = "failed"
             try:
                 {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)

@@ -87,3 +87,46 @@ def test_a_database_of_the_release_before_versioned_schemas_is_upgraded_in_place
         conn.execute(sqlalchemy.text("UPDATE lethe_schema SET version = :v"), {"v": SCHEMA_VERSION + 1})
     with pytest.raises(RuntimeError, match="newer than this release"):
         Store(tmp_path, database_url)
+
+
+def test_a_job_running_on_one_replica_is_cancelled_through_another(tiny_model_dir, tmp_path, postgres_server_url):
+    """Two servers on one PostgreSQL database and data directory (as two replicas are): a job that runs on one
+    stops when the other is asked to cancel it, at the runner's next heartbeat."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from lethe.heads.modelio import load_model
+    from lethe.server.app import create_app
+    from lethe.server.jobs import Cancelled
+    from lethe.server.pg_local import fresh_database
+    from lethe.server.settings import Settings
+    from live_server import ADMIN_KEY
+
+    database = fresh_database(postgres_server_url)
+    lm = load_model(tiny_model_dir)
+    settings = Settings(model=tiny_model_dir, data_dir=tmp_path, database_url=database, admin_key=ADMIN_KEY,
+                        demo_tenant=False, job_stale_seconds=2.0)
+    with TestClient(create_app(settings, lm)) as one, TestClient(create_app(settings, lm)) as two:
+        ran_on, started = {}, threading.Event()
+        for name, client in (("one", one), ("two", two)):
+            def slow_train(job, cancel, name=name):  # a long job: runs until it is told to stop
+                ran_on["name"] = name
+                started.set()
+                if not cancel.wait(30):
+                    raise AssertionError("never cancelled")
+                raise Cancelled()
+            client.app.state.jobs._train = slow_train
+        key = one.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        headers = {"Authorization": f"Bearer {key.json()['api_key']}"}
+        record = '{"question": "q?", "answer": "a."}\n'
+        ids = [one.post("/v1/datasets", content=record.encode(), headers=headers).json()["id"] for _ in range(2)]
+        job = one.post("/v1/heads", json={"forget": ids[0], "retain": ids[1]}, headers=headers).json()["id"]
+        assert started.wait(30)
+        other = two if ran_on["name"] == "one" else one
+        t0 = time.time()
+        assert other.post(f"/v1/jobs/{job}/cancel", headers=headers).status_code == 200
+        while (state := other.get(f"/v1/jobs/{job}", headers=headers).json())["status"] == "running":
+            assert time.time() - t0 < 10, state
+            time.sleep(0.1)
+        assert state["status"] == "cancelled" and state["error"] == "cancelled while running", state
