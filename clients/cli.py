@@ -76,7 +76,7 @@ def cmd_serve(args) -> int:
     if args.ray:
         return _serve_on_ray(settings, args)
     if args.replicas is not None or args.ray_address is not None:
-        raise ValueError("--replicas and --ray-address need --ray")
+        raise UsageError("--replicas and --ray-address need --ray")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     lm = load_model(settings.model, settings.device, settings.dtype)
     if settings.chat_template is not None:  # a template that does not render fails here, before any key is made
@@ -95,12 +95,15 @@ def _serve_on_ray(settings, args) -> int:
     if importlib.util.find_spec("ray") is None:
         raise ValueError("--ray needs Ray Serve: pip install 'lethe[ray]'")
     from lethe.server.ray_serve import serve_forever
+    from lethe.server.storage import check_database
+
     if not (settings.database_url or "").startswith(("postgresql", "postgres:")):
-        raise ValueError("--ray needs a database the replicas share: --database-url postgresql://user@host/db "
+        raise UsageError("--ray needs a database the replicas share: --database-url postgresql://user@host/db "
                          "(or LETHE_DATABASE_URL)")
-    replicas = args.replicas or 2
+    replicas = 2 if args.replicas is None else args.replicas
     if replicas < 1 or args.threads_per_replica < 1:
-        raise ValueError("--replicas and --threads-per-replica must be at least 1")
+        raise UsageError("--replicas and --threads-per-replica must be at least 1")
+    check_database(settings.database_url)  # an unreachable database fails now, named, before Ray starts
     _listen(settings.host, settings.port).close()  # a busy port fails now, before Ray starts
     serve_forever(settings, replicas, args.threads_per_replica, address=args.ray_address)
     return 0

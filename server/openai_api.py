@@ -62,6 +62,8 @@ def error_body(status: int, detail) -> tuple[int, dict]:
         loc = [str(x) for x in first.get("loc", []) if x != "body" and not _BRANCH.fullmatch(str(x))]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid request"))
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            param, message = None, f"the body is not valid JSON (at character {'.'.join(loc) or '?'})"
         status = 400 if status == 422 else status
     else:
         message = str(detail)

@@ -32,6 +32,31 @@ from lethe.server.settings import Settings
 log = logging.getLogger("lethe.ray")
 
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
+MULTIPART_SLACK = 64 * 1024  # an upload's framing beyond its file; the replica checks the file's exact limit
+
+
+async def read_body(request, settings: Settings) -> tuple[bytes | None, tuple[int, str] | None]:
+    """The request's body, bounded as the one-process server bounds it (`app.BoundedBody`): (body, None), or
+    (None, (status, message)) for a body over its limit (413, as soon as it passes it) or one that stalls (408)."""
+    from lethe.server.app import UPLOAD_PATHS
+
+    path = request.url.path
+    limit = settings.max_upload_bytes + MULTIPART_SLACK if path in UPLOAD_PATHS else settings.max_request_bytes
+    setting = "LETHE_MAX_UPLOAD_BYTES" if path in UPLOAD_PATHS else "LETHE_MAX_REQUEST_BYTES"
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return None, (413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes ({setting})")
+    body, chunks = bytearray(), request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), settings.body_timeout)
+        except StopAsyncIteration:
+            return bytes(body), None
+        except asyncio.TimeoutError:
+            return None, (408, f"the request body stalled for more than {settings.body_timeout:g} s")
+        body += chunk
+        if len(body) > limit:
+            return None, (413, f"request body exceeds the limit of {limit} bytes ({setting})")
 
 
 def _key(headers: dict[str, str]) -> str | None:
@@ -197,6 +222,7 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
         def __init__(self, settings: Settings, replica):
             from lethe.server.storage import Store
 
+            self.settings = settings
             self.store = Store(settings.data_dir, settings.database_url)
             self.replica = replica
 
@@ -204,7 +230,16 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
             from starlette.concurrency import run_in_threadpool
             from starlette.responses import JSONResponse, StreamingResponse
 
-            body = await request.body()
+            from lethe.server.app import _error_body
+
+            def error(status: int, message: str, headers: dict | None = None):
+                """The error the one-process server would give (OpenAI's shape on its routes)."""
+                status, payload = _error_body(request.url.path, status, message)
+                return JSONResponse(payload, status_code=status, headers=headers)
+
+            body, refused = await read_body(request, self.settings)
+            if refused is not None:
+                return error(*refused)
             headers = {k.lower(): v for k, v in request.headers.items()}
             try:
                 model_id = await run_in_threadpool(routing_id, self.store, request.url.path, headers, body)
@@ -217,8 +252,7 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
                 head = await stream.__anext__()
             except Exception as e:  # the replica died before answering: Ray restarts it; the client may retry
                 log.warning("a replica failed before answering: %s", type(e).__name__)
-                return JSONResponse({"detail": "the replica serving this request stopped; retry"}, status_code=503,
-                                    headers={"Retry-After": "1"})
+                return error(503, "the replica serving this request stopped; retry", {"Retry-After": "1"})
             events = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
 
             async def rest():
@@ -245,23 +279,26 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
 def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus: int | None = None,
                   address: str | None = None) -> None:
     """`lethe serve --ray`: start (or join, with `address`) a Ray cluster, deploy, and serve until interrupted."""
+    import signal
+    import sys
+
     import ray
     from ray import serve
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service manager's stop shuts Ray down too (finally)
     ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
              ignore_reinit_error=True, log_to_driver=True)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
-    serve.run(deployment(settings, replicas, threads), name="lethe", route_prefix="/")
-    log.warning("lethe: %d replicas on Ray Serve at http://%s:%d", replicas, settings.host, settings.port)
-    print(f"lethe: {replicas} replicas on Ray Serve at http://{settings.host}:{settings.port}", flush=True)
     try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(deployment(settings, replicas, threads), name="lethe", route_prefix="/")
+        print(f"lethe: {replicas} replicas on Ray Serve at http://{settings.host}:{settings.port}", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # the local cluster's processes (those `ray.init` started) go too
 
 
 def app(args: dict):

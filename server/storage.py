@@ -148,6 +148,19 @@ def _connect(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
 
 
+def check_database(url: str) -> None:
+    """Connect once; an unreachable database is a ValueError naming it (its password hidden) and the reason."""
+    engine = _connect(database_url(Path("."), url))
+    try:
+        with engine.connect():
+            pass
+    except Exception as e:
+        reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        raise ValueError(f"cannot reach the database {redact(url)}: {reason}") from None
+    finally:
+        engine.dispose()
+
+
 def upgrade(engine: Engine) -> int:
     """Bring the database to SCHEMA_VERSION, in one transaction (on PostgreSQL under an advisory lock, so
     replicas starting together migrate once). An empty database gets this release's schema; one made before

@@ -277,3 +277,10 @@ def test_models_and_the_profile_version_that_answered(tenant):
                                                         messages=[{"role": "user", "content": "hi"}])
     assert raw.headers["X-Lethe-Profile"] == "forget" and raw.headers["X-Lethe-Profile-Version"] == "1"
     assert raw.parse().model_extra["lethe_profile"] == {"name": "forget", "version": 1}
+
+
+def test_a_body_that_is_not_json_is_named_so_not_as_a_field(live):
+    r = httpx.post(live + "/v1/completions", content=b'{"model": "base", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert "not valid JSON" in r.json()["error"]["message"]

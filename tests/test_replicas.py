@@ -39,7 +39,7 @@ def cluster(tiny_model_dir, tiny_lm, tiny_records, tmp_path_factory):
         database = fresh_database(pg.url)
         with running_ray(tiny_model_dir, tmp_path_factory.mktemp("data"), database, replicas=2,
                          env={"LETHE_CRASH_AT": "job:fitting,decode:200"}, max_new_tokens_limit=256,
-                         job_stale_seconds=3.0,
+                         job_stale_seconds=3.0, body_timeout=2.0,
                          max_queue=64) as url:
             forget, retain = split_by_author(tiny_records, 1)
             other_forget, other_retain = split_by_author(tiny_records[::-1], 1)
@@ -212,3 +212,31 @@ def test_a_jobs_worker_killed_marks_it_failed_and_the_previous_head_keeps_servin
     assert after.status_code == 200
     assert after.headers["x-lethe-profile-version"] == before.headers["x-lethe-profile-version"]
     assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+
+
+def test_the_router_bounds_bodies_as_the_one_process_server_does(cluster):
+    """Every request passes the router: a body past its limit is refused as it passes it (not read whole), and a
+    body that stalls is cut off (408), as `app.BoundedBody` does in one process."""
+    import socket
+
+    url, headers = cluster["url"], cluster["tenants"]["a"]
+
+    def chunks():  # 8 MiB of JSON without a Content-Length: refused after the first MiB
+        yield b'{"model": "base", "prompt": "'
+        for _ in range(128):
+            yield b"x" * 65536
+        yield b'"}'
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={**headers, "content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and "LETHE_MAX_REQUEST_BYTES" in r.json()["error"]["message"]
+    r = httpx.post(url + "/generate", content=b"{" + b" " * (2 * 2**20) + b"}", headers=headers, timeout=60)
+    assert r.status_code == 413 and "LETHE_MAX_REQUEST_BYTES" in r.json()["detail"]
+    host, port = url.rsplit(":", 1)
+    with socket.create_connection((host.split("//")[1], int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 200\r\n\r\n{\"model\": ")
+        started = time.perf_counter()
+        answer = sock.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer[:200]
+    assert time.perf_counter() - started < 20

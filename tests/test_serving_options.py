@@ -105,7 +105,7 @@ def test_serve_on_ray_says_what_it_needs(capsys):
     database; the Ray flags need --ray."""
     from lethe.clients.cli import main
 
-    assert main(["serve", "--ray", "--database-url", "sqlite:///x.db"]) == 1
+    assert main(["serve", "--ray", "--database-url", "sqlite:///x.db"]) == 2
     assert "--database-url postgresql://" in capsys.readouterr().err
-    assert main(["serve", "--replicas", "3"]) == 1
+    assert main(["serve", "--replicas", "3"]) == 2
     assert "need --ray" in capsys.readouterr().err
