@@ -276,6 +276,32 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
     return Router.bind(settings, Replica.bind(settings, threads))
 
 
+def shutdown_local_ray() -> None:
+    """Stop Serve and the Ray cluster this process started, every process of it included: after
+    `ray.shutdown()` a local cluster's dashboard and runtime-env agents outlive their raylet (seen with Ray 2.60),
+    so the processes this one started are ended too."""
+    import psutil
+    import ray
+    from ray import serve
+
+    started = psutil.Process().children(recursive=True)
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        for proc in started:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(started, timeout=10)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
 def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus: int | None = None,
                   address: str | None = None) -> None:
     """`lethe serve --ray`: start (or join, with `address`) a Ray cluster, deploy, and serve until interrupted."""
@@ -285,9 +311,10 @@ def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus:
     import ray
     from ray import serve
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service manager's stop shuts Ray down too (finally)
     ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
              ignore_reinit_error=True, log_to_driver=True)
+    # after ray.init, which sets a SIGTERM handler of its own: a service manager's stop runs `finally` below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(deployment(settings, replicas, threads), name="lethe", route_prefix="/")
@@ -297,8 +324,11 @@ def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()  # the local cluster's processes (those `ray.init` started) go too
+        if address is None:
+            shutdown_local_ray()  # the local cluster's processes (those `ray.init` started) go too
+        else:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def app(args: dict):

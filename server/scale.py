@@ -182,10 +182,9 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
                         result["ray_1_replica_1_client"] = load(url, keys[:1], 1, single, max_tokens)
                     result[f"ray_{replicas}_replicas"] = load(url, keys, clients, duration, max_tokens)
         finally:
-            from ray import serve
+            from lethe.server.ray_serve import shutdown_local_ray
 
-            serve.shutdown()
-            ray.shutdown()
+            shutdown_local_ray()
     one, two = result["ray_1_replicas"], result["ray_2_replicas"]
     result["throughput_2_over_1"] = round(two["tokens_per_s"] / one["tokens_per_s"], 3)
     result["p99_2_over_1"] = round(two["p99_s"] / one["p99_s"], 3)

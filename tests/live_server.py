@@ -57,7 +57,7 @@ def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: 
     import ray
     from ray import serve
 
-    from lethe.server.ray_serve import deployment
+    from lethe.server.ray_serve import deployment, shutdown_local_ray
 
     port = free_port()
     settings = Settings(model=model_dir, data_dir=data_dir, port=port, admin_key=ADMIN_KEY, demo_tenant=False,
@@ -68,5 +68,4 @@ def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: 
         serve.run(deployment(settings, replicas, threads=1, env=env), name="lethe", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shutdown_local_ray()
