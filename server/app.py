@@ -91,6 +91,30 @@ def _plain_error(status: int, message: str, path: str = "", headers: list | None
     return start, {"type": "http.response.body", "body": body}
 
 
+async def read_bounded(receive, limit: int, timeout: float, setting: str, length: bytes | str | None = None
+                       ) -> tuple[bytes | None, tuple[int, str] | None]:
+    """A request body read whole from ASGI `receive`, up to `limit` bytes: (body, None); (None, (413, why)) as
+    soon as it passes the limit (from its Content-Length `length` alone when it is given); (None, (408, why))
+    when the next piece takes longer than `timeout` seconds; (None, None) when the client went away. `setting`
+    names the limit in the message."""
+    length = length.decode("latin-1") if isinstance(length, bytes) else (length or "")
+    if length.isdigit() and int(length) > limit:
+        return None, (413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes ({setting})")
+    body, more = bytearray(), True
+    while more:
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except asyncio.TimeoutError:
+            return None, (408, f"the request body stalled for more than {timeout:g} s")
+        if message["type"] == "http.disconnect":
+            return None, None
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+        if len(body) > limit:
+            return None, (413, f"request body exceeds the limit of {limit} bytes ({setting})")
+    return bytes(body), None
+
+
 class BoundedBody:
     """Every request body is bounded before anything parses it, and a body that stalls is cut off.
 
@@ -115,38 +139,21 @@ class BoundedBody:
 
         if scope["path"] in UPLOAD_PATHS:
             return await self.app(scope, timed_receive, send)
-        limit = self.settings.max_request_bytes
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:
-            for message in _plain_error(413, f"request body of {int(length)} bytes exceeds the limit of {limit} "
-                                             f"bytes (LETHE_MAX_REQUEST_BYTES)", scope["path"]):
+        body, refused = await read_bounded(receive, self.settings.max_request_bytes, timeout,
+                                           "LETHE_MAX_REQUEST_BYTES", dict(scope["headers"]).get(b"content-length"))
+        if refused is not None:
+            for message in _plain_error(*refused, scope["path"]):
                 await send(message)
             return
-        body, more = bytearray(), True
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), timeout)
-            except asyncio.TimeoutError:
-                for message in _plain_error(408, f"the request body stalled for more than {timeout:g} s",
-                                            scope["path"]):
-                    await send(message)
-                return
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                for message in _plain_error(413, f"request body exceeds the limit of {limit} bytes "
-                                                 f"(LETHE_MAX_REQUEST_BYTES)", scope["path"]):
-                    await send(message)
-                return
+        if body is None:  # the client went away
+            return
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
@@ -333,8 +340,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         """The text of token ids, as vLLM's /detokenize."""
         engine: Engine = request.app.state.engine
         check_token_ids(engine.lm.tokenizer, body.tokens, "tokens", 422)
-        with engine.tokenizer_lock:
-            return DetokenizeResponse(prompt=engine.lm.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=engine.detokenize(body.tokens))
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:

@@ -91,6 +91,10 @@ class Engine:
         with self.tokenizer_lock:
             return len(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def detokenize(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.lm.tokenizer.decode(ids)
+
     def submit(self, pending: Pending) -> Pending:
         try:
             self.queue.put_nowait(pending)

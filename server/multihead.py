@@ -7,6 +7,7 @@ The heads are random (a head's cost does not depend on its weights) and are uplo
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import threading
 import time
@@ -29,35 +30,53 @@ def _tenant_with_head(url: str, admin_key: str, name: str, head_file: Path) -> h
     return client
 
 
-def _load(clients: list[httpx.Client], duration: float, max_tokens: int) -> dict:
-    """Each client asks in a loop for `duration` seconds; tokens generated per second, in all."""
-    tokens, requests, errors = [0], [0], []
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def load(url: str, keys: list[str], clients: int, duration: float, max_tokens: int) -> dict:
+    """`clients` threads, client i asking as tenant i mod len(keys) (its profile `mine`, through the OpenAI chat
+    endpoint, greedy), each in a loop for `duration` seconds: tokens per second in all, and the latency of
+    every request (`lethe bench heads` and `lethe bench scale`)."""
+    latencies, tokens, errors = [], [0], []
     lock = threading.Lock()
     stop = time.monotonic() + duration
 
-    def ask(i: int, client: httpx.Client) -> None:
-        n = i
-        while time.monotonic() < stop:
-            r = client.post("/v1/chat/completions", json={
-                "model": "mine", "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": QUESTIONS[n % len(QUESTIONS)]}]})
-            n += 1
-            with lock:
-                if r.status_code == 200:
-                    tokens[0] += r.json()["usage"]["completion_tokens"]
-                    requests[0] += 1
-                else:
-                    errors.append(r.status_code)
+    def ask(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=300,
+                          headers={"Authorization": f"Bearer {keys[i % len(keys)]}"}) as client:
+            n = i
+            while time.monotonic() < stop:
+                t = time.perf_counter()
+                r = client.post("/v1/chat/completions", json={
+                    "model": "mine", "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "user", "content": QUESTIONS[n % len(QUESTIONS)]}]})
+                took = time.perf_counter() - t
+                n += 1
+                with lock:
+                    if r.status_code == 200:
+                        latencies.append(took)
+                        tokens[0] += r.json()["usage"]["completion_tokens"]
+                    else:
+                        errors.append(r.status_code)
 
     started = time.monotonic()
-    threads = [threading.Thread(target=ask, args=(i, c)) for i, c in enumerate(clients)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.monotonic() - started
-    return {"clients": len(clients), "requests": requests[0], "tokens": tokens[0], "seconds": round(elapsed, 2),
-            "tokens_per_s": round(tokens[0] / elapsed, 2), "errors": errors}
+    return {"clients": clients, "requests": len(latencies), "tokens": tokens[0], "seconds": round(elapsed, 2),
+            "tokens_per_s": round(tokens[0] / elapsed, 2),
+            "mean_s": round(statistics.fmean(latencies), 4) if latencies else None,
+            "p50_s": round(_percentile(latencies, 0.5), 4), "p99_s": round(_percentile(latencies, 0.99), 4),
+            "errors": errors}
+
+
+def _key(client: httpx.Client) -> str:
+    return client.headers["Authorization"].split()[1]
 
 
 def bench_heads(url: str, admin_key: str, lm, clients: int = 8, duration: float = 30.0, max_tokens: int = 32) -> dict:
@@ -77,11 +96,12 @@ def bench_heads(url: str, admin_key: str, lm, clients: int = 8, duration: float 
             save_head(path, head, HeadInfo(base_fingerprint=lm.fingerprint, d=cfg.hidden_size, vocab=cfg.vocab_size,
                                            rank=20))
             users.append(_tenant_with_head(url, admin_key, f"bench{i}", path))
-    _load(users[:1], min(5.0, duration), max_tokens)  # warm-up: compile the kernel's paths, fill caches
-    alone = _load(users[:1], duration, max_tokens)
-    together = _load(users, duration, max_tokens)
+    keys = [_key(c) for c in users]
     for c in users:
         c.close()
+    load(url, keys[:1], 1, min(5.0, duration), max_tokens)  # warm-up: compile the kernel's paths, fill caches
+    alone = load(url, keys[:1], 1, duration, max_tokens)
+    together = load(url, keys, clients, duration, max_tokens)
     return {"one_client": alone, "together": together,
             "together_over_one": round(together["tokens_per_s"] / alone["tokens_per_s"], 2) if alone["tokens_per_s"]
             else None}

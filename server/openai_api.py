@@ -324,11 +324,7 @@ def _prompt_entries(c: Completion, untilted: bool = False) -> list[tuple[int, To
 
 
 def _echoed(request: Request, prompt) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    engine = request.app.state.engine
-    with engine.tokenizer_lock:
-        return engine.lm.tokenizer.decode(prompt)
+    return prompt if isinstance(prompt, str) else request.app.state.engine.detokenize(prompt)
 
 
 @router.post("/v1/completions")

@@ -36,27 +36,19 @@ MULTIPART_SLACK = 64 * 1024  # an upload's framing beyond its file; the replica 
 
 
 async def read_body(request, settings: Settings) -> tuple[bytes | None, tuple[int, str] | None]:
-    """The request's body, bounded as the one-process server bounds it (`app.BoundedBody`): (body, None), or
-    (None, (status, message)) for a body over its limit (413, as soon as it passes it) or one that stalls (408)."""
-    from lethe.server.app import UPLOAD_PATHS
+    """The request's body, bounded as the one-process server bounds it (`app.read_bounded`): JSON bodies by
+    LETHE_MAX_REQUEST_BYTES, uploads by LETHE_MAX_UPLOAD_BYTES plus their framing (the replica checks the file's
+    exact limit), a stall by LETHE_BODY_TIMEOUT."""
+    from lethe.server.app import UPLOAD_PATHS, read_bounded
 
-    path = request.url.path
-    limit = settings.max_upload_bytes + MULTIPART_SLACK if path in UPLOAD_PATHS else settings.max_request_bytes
-    setting = "LETHE_MAX_UPLOAD_BYTES" if path in UPLOAD_PATHS else "LETHE_MAX_REQUEST_BYTES"
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        return None, (413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes ({setting})")
-    body, chunks = bytearray(), request.stream().__aiter__()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(chunks.__anext__(), settings.body_timeout)
-        except StopAsyncIteration:
-            return bytes(body), None
-        except asyncio.TimeoutError:
-            return None, (408, f"the request body stalled for more than {settings.body_timeout:g} s")
-        body += chunk
-        if len(body) > limit:
-            return None, (413, f"request body exceeds the limit of {limit} bytes ({setting})")
+    upload = request.url.path in UPLOAD_PATHS
+    limit = settings.max_upload_bytes + MULTIPART_SLACK if upload else settings.max_request_bytes
+    body, refused = await read_bounded(request.receive, limit, settings.body_timeout,
+                                       "LETHE_MAX_UPLOAD_BYTES" if upload else "LETHE_MAX_REQUEST_BYTES",
+                                       request.headers.get("content-length"))
+    if body is None and refused is None:
+        refused = (408, "the request body ended early or stalled")  # the client went away
+    return body, refused
 
 
 def _key(headers: dict[str, str]) -> str | None:

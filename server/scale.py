@@ -12,61 +12,16 @@ Targets (issue 15): 2 replicas / 1 replica >= 1.7x in tokens/s, p99 within 1.2x;
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-from lethe.server.multihead import QUESTIONS, _tenant_with_head
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
-
-
-def load(url: str, keys: list[str], clients: int, duration: float, max_tokens: int) -> dict:
-    """`clients` threads, client i asking as tenant i mod len(keys), each in a loop for `duration` seconds:
-    tokens/s in all and the latency of every request."""
-    latencies, tokens, errors = [], [0], []
-    lock = threading.Lock()
-    stop = time.monotonic() + duration
-
-    def ask(i: int) -> None:
-        with httpx.Client(base_url=url, timeout=300,
-                          headers={"Authorization": f"Bearer {keys[i % len(keys)]}"}) as client:
-            n = i
-            while time.monotonic() < stop:
-                t = time.perf_counter()
-                r = client.post("/v1/chat/completions", json={
-                    "model": "mine", "max_tokens": max_tokens, "temperature": 0,
-                    "messages": [{"role": "user", "content": QUESTIONS[n % len(QUESTIONS)]}]})
-                took = time.perf_counter() - t
-                n += 1
-                with lock:
-                    if r.status_code == 200:
-                        latencies.append(took)
-                        tokens[0] += r.json()["usage"]["completion_tokens"]
-                    else:
-                        errors.append(r.status_code)
-
-    started = time.monotonic()
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
-    return {"clients": clients, "requests": len(latencies), "tokens_per_s": round(tokens[0] / elapsed, 2),
-            "mean_s": round(statistics.fmean(latencies), 4) if latencies else None,
-            "p50_s": round(_percentile(latencies, 0.5), 4), "p99_s": round(_percentile(latencies, 0.99), 4),
-            "errors": len(errors)}
+from lethe.server.multihead import _key, _tenant_with_head, load
 
 
 def _wait(url: str, timeout: float = 180) -> None:
@@ -166,7 +121,7 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
         with plain_server(model, data, database, admin, free_port()) as url:
             for i, path in enumerate(heads):
                 client = _tenant_with_head(url, admin, f"scale{i}", path)
-                keys.append(client.headers["Authorization"].split()[1])
+                keys.append(_key(client))
                 client.close()
             load(url, keys[:1], 1, 3.0, max_tokens)  # warm-up
             result["plain_1_client"] = load(url, keys[:1], 1, single, max_tokens)

@@ -155,7 +155,9 @@ class Batch:
         self.positions = count - 1
         self.count = count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
         self._last_hidden = last
+        # per-row work a step does only when some row asks for it (nothing added to the others' steps)
         self._min_tokens = any(p.min_new_tokens for p in params)
+        self._logging = any(p.logprobs is not None for p in params)
         self._crash_at = crash_after_tokens()
         for row in self.rows:
             if row.params.max_new_tokens == 0:  # the prompt alone: finished before its first step
@@ -204,7 +206,8 @@ class Batch:
         What is per row (the guide's head and settings, sampling, detokenising) fails per row: a row that
         raises there finishes with reason "error" and its exception in `Row.error`; the others go on."""
         logits = next_logits(self.model, self._last_hidden)
-        untilted = [i for i, r in enumerate(self.rows) if r.untilted_logprobs is not None and not r.finish_reason]
+        untilted = [i for i, r in enumerate(self.rows) if r.untilted_logprobs is not None and not r.finish_reason] \
+            if self._logging else []
         base = logits[untilted] if untilted else None  # a copy: the guide may write into its buffers
         if self.guide is not None:
             logits = self._guided(logits)
@@ -217,7 +220,7 @@ class Batch:
                         self.min_p)
         for i, error in failed.items():
             self.fail(i, error)
-        logged = self._logprobs(logits, tokens, untilted, base)
+        logged = self._logprobs(logits, tokens, untilted, base) if self._logging else {}
         emitted: list[int | None] = []
         for i, (row, token) in enumerate(zip(self.rows, tokens.tolist())):
             emitted.append(None if row.finish_reason else token)
@@ -374,6 +377,7 @@ class Batch:
         for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self._min_tokens = self._min_tokens or other._min_tokens
+        self._logging = self._logging or other._logging
         if self.adapters is not None or other.adapters is not None:
             self.adapters = (self.adapters or ["__base__"] * len(self.rows)) + \
                 (other.adapters or ["__base__"] * len(other.rows))
