@@ -64,7 +64,7 @@ def cmd_serve(args) -> int:
     flags = {"model": args.model, "host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
              "data_dir": args.data_dir, "max_batch_size": args.max_batch_size, "max_queue": args.max_queue,
              "max_model_len": args.max_model_len, "served_model_name": args.served_model_name,
-             "chat_template": args.chat_template, "database_url": args.database_url}
+             "chat_template": args.chat_template, "database_url": args.database_url, "blob_url": args.blob_url}
     # flags over the config file, the file over LETHE_* variables, those over the defaults
     values = (read_config(args.config) if args.config else {}) | {k: v for k, v in flags.items() if v is not None}
     try:
@@ -622,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="settings from a TOML or JSON file (names as the LETHE_* variables, lower case); flags win")
     p.add_argument("--database-url", default=None, help="metadata database (default: SQLite in the data directory; "
                                                         "postgresql://user@host/db to share it between replicas)")
+    p.add_argument("--blob-url", default=None, help="where dataset, head and adapter files live (default: "
+                                                    "<data dir>/blobs; a shared directory or s3://bucket/prefix "
+                                                    "with s3fs installed, for replicas on several machines)")
     p.add_argument("--ray", action="store_true", help="serve with replicas on Ray Serve (pip install 'lethe[ray]'; "
                                                       "needs a PostgreSQL --database-url)")
     p.add_argument("--replicas", type=int, default=None, help="with --ray: replicas, each a whole server (default 2)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -32,7 +33,7 @@ from lethe.server.quotas import QuotaExceeded, Quotas
 from lethe.server.protocol import (DetokenizeRequest, DetokenizeResponse, GenerateRequest, GenerateResponse, Health,
                              ProfileUsed, Ready, TokenizeRequest, TokenizeResponse, Usage, Version)
 from lethe.server.settings import Settings
-from lethe.server.storage import Store
+from lethe.server.storage import LEGACY, Store
 
 log = logging.getLogger("lethe")
 
@@ -175,10 +176,15 @@ SHARED_GRACE = 3600.0  # seconds: on a shared data directory, files younger than
 
 def clean_temporary_files(store: Store) -> int:
     """Remove what a crash left behind: half-written files (atomic writes use `.<name>.*.tmp`), and
-    complete files no row points at (written, then the process died before the row was inserted). Where
-    replicas share the directory (a shared database), only files older than SHARED_GRACE: a younger one may
-    be another replica's write in progress."""
-    removed, cutoff = 0, time.time() - (SHARED_GRACE if store.shared else 0.0)
+    complete files no row points at (written, then the process died before the row was inserted, or released
+    while young). Where replicas share the store (a shared database), only files older than SHARED_GRACE: a
+    younger one may be another replica's write in progress. Files of a release before the blob store are
+    moved into it first (`Store.adopt_files`); what stays in its folders is what no row points at."""
+    grace = SHARED_GRACE if store.shared else 0.0
+    adopted = store.adopt_files()
+    if adopted:
+        log.warning("moved %d files into the blob store %s", adopted, store.blobs.url)
+    removed, cutoff = store.clean_blobs(grace), time.time() - grace
 
     def old(path: Path) -> bool:
         try:
@@ -190,12 +196,15 @@ def clean_temporary_files(store: Store) -> int:
         if old(tmp):
             tmp.unlink(missing_ok=True)
             removed += 1
-    for folder, table in (("datasets", "datasets"), ("heads", "heads"), ("asu", "asu_weights")):
-        known = {r["id"] for r in store.q(f"SELECT id FROM {table}")}
+    for folder, _ in LEGACY.values():
+        if not (store.dir / folder).is_dir():
+            continue
         for f in (store.dir / folder).iterdir():
-            if f.is_file() and f.name.split(".")[0] not in known and old(f):
+            if f.is_file() and old(f):
                 f.unlink(missing_ok=True)
                 removed += 1
+        with contextlib.suppress(OSError):  # gone once empty
+            (store.dir / folder).rmdir()
     return removed
 
 
@@ -211,13 +220,15 @@ def use_chat_template(tokenizer, path: Path) -> None:
         raise ValueError(f"chat template {path}: {type(e).__name__}: {e}") from None
 
 
-def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, dispatch_jobs=None) -> FastAPI:
+    """The server. `dispatch_jobs(job)`, if given, runs each claimed job elsewhere (on Ray Serve, a Ray task of its
+    own: `ray_serve.job_dispatcher`); else jobs run on this process's job thread."""
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         model = lm or load_model(settings.model, settings.device, settings.dtype)
-        store = Store(settings.data_dir, settings.database_url)
+        store = Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache)
         removed = clean_temporary_files(store)
         if removed:
             log.warning("removed %d files left by an interrupted write", removed)
@@ -236,7 +247,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None) 
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
         app.state.quotas = Quotas(store, settings)
         app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads,
-                                   settings.job_stale_seconds)
+                                   settings.job_stale_seconds, dispatch=dispatch_jobs)
         try:
             yield
         finally:

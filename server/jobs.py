@@ -9,6 +9,12 @@ Replicas sharing a database (PostgreSQL) share the queue: a worker claims a queu
 UPDATE, so exactly one runs it, and writes a heartbeat while it runs. A job whose heartbeat stopped (its
 worker died) is marked failed by whichever worker notices; on SQLite, the only process, a job still running
 at start-up is marked failed at once.
+
+Where the job runs: on this process's job thread (one process), or, given `dispatch` (replicas on Ray Serve),
+in a process of its own that `dispatch` starts (a Ray task with its own CPU/GPU reservation, which loads the
+model itself: `server.ray_serve.job_dispatcher`), so a job never shares a serving replica's cores. Either way
+the job's process runs `execute`: heartbeat, progress, cancel and the job's result all go through the
+database, so a job's events stream from any replica as before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from lethe.heads.t3.head import save_head
 from lethe.heads.io import crash_point
@@ -37,16 +44,32 @@ class Cancelled(Exception):
     pass
 
 
+class OwnModel:
+    """The model of a process that runs jobs only (a Ray task): the job may use it as it is (`JobRunner`'s
+    `engine` is else the serving engine, whose model a job only ever copies)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def private_copy(self):
+        return self.lm
+
+
 class JobRunner:
-    def __init__(self, store: Store, engine, metrics=None, heads=None, stale: float = STALE):
+    def __init__(self, store: Store, engine, metrics=None, heads=None, stale: float = STALE,
+                 dispatch: Callable[[dict], str] | None = None, worker: bool = True):
+        """`dispatch(job)`: run a claimed job elsewhere and return its final status (None: on this process's job
+        thread). `worker=False`: no queue and no thread, only `execute` (a job's own process)."""
         self.store, self.engine, self.metrics, self.heads = store, engine, metrics, heads
         self.stale = stale  # seconds without a heartbeat after which a running job's worker is taken for dead
+        self.dispatch = dispatch
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
         self._last_start: dict[str, float] = {}  # tenant -> when its last job started (fair turns)
-        self._recover()
         self._thread = threading.Thread(target=self._run, name="lethe-jobs", daemon=True)
-        self._thread.start()
+        if worker:
+            self._recover()
+            self._thread.start()
 
     def _recover(self) -> None:
         self.fail_stale(0.0 if not self.store.shared else self.stale)
@@ -88,8 +111,9 @@ class JobRunner:
     def close(self) -> None:
         for event in self._cancel.values():
             event.set()
-        self.queue.put(None)
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self.queue.put(None)
+            self._thread.join(timeout=30)
 
     def _update(self, job_id: str, **fields) -> None:
         cols = ", ".join(f"{k} = ?" for k in fields)
@@ -145,27 +169,44 @@ class JobRunner:
                     break
             if job is None:
                 continue
-            job_id = job["id"]
             self._last_start[job["tenant_id"]] = started
-            cancel = self._cancel.setdefault(job_id, threading.Event())
-            beating = threading.Event()
-            threading.Thread(target=self._beat, args=(job_id, beating, cancel), name="lethe-job-heartbeat",
-                             daemon=True).start()
-            status = "failed"
-            try:
-                {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)
-                status = "succeeded"
-            except Cancelled:
-                status = "cancelled"
-                self._finish(job_id, "cancelled", error="cancelled while running")
-            except Exception as e:
-                log.exception("job %s failed", job_id)
-                self._finish(job_id, "failed", error=self._public(f"{type(e).__name__}: {e}"))
-            finally:
-                beating.set()
-                self._cancel.pop(job_id, None)
-                if self.metrics:
-                    self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)
+            status = self.execute(job) if self.dispatch is None else self._dispatched(job)
+            if self.metrics:
+                self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)
+
+    def execute(self, job: dict) -> str:
+        """Run a claimed job to its end in this process, with its heartbeat; returns its final status."""
+        job_id = job["id"]
+        cancel = self._cancel.setdefault(job_id, threading.Event())
+        beating = threading.Event()
+        threading.Thread(target=self._beat, args=(job_id, beating, cancel), name="lethe-job-heartbeat",
+                         daemon=True).start()
+        try:
+            {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)
+            return "succeeded"
+        except Cancelled:
+            self._finish(job_id, "cancelled", error="cancelled while running")
+            return "cancelled"
+        except Exception as e:
+            log.exception("job %s failed", job_id)
+            self._finish(job_id, "failed", error=self._public(f"{type(e).__name__}: {e}"))
+            return "failed"
+        finally:
+            beating.set()
+            self._cancel.pop(job_id, None)
+
+    def _dispatched(self, job: dict) -> str:
+        """Run a claimed job through `dispatch`; a job whose process died (or could not start) is failed at once,
+        with the reason, unless it ended first."""
+        try:
+            return self.dispatch(job)
+        except Exception as e:
+            log.warning("job %s: its process stopped: %s", job["id"], e)
+            reason = self._public(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            self.store.tx([("UPDATE jobs SET status = 'failed', error = ?, finished = ? WHERE id = ? AND status = "
+                            "'running'", (f"the job's worker stopped while the job was running ({reason})", time.time(),
+                             job["id"]))])
+            return "failed"
 
     def _public(self, message: str) -> str:
         """A job's error as its tenant may see it: no server paths."""
@@ -191,8 +232,8 @@ class JobRunner:
 
     def _inputs(self, job: dict) -> tuple[dict, list[dict], list[dict]]:
         params = json.loads(job["params"])
-        return (params, read_jsonl(self.store.dataset_path(params["forget"])),
-                read_jsonl(self.store.dataset_path(params["retain"])))
+        return (params, read_jsonl(self.store.file("datasets", params["forget"])),
+                read_jsonl(self.store.file("datasets", params["retain"])))
 
     def _private(self):
         """The base model and tokenizer as copies of the job's own (`Engine.private_copy`): a job never holds a
@@ -201,14 +242,19 @@ class JobRunner:
 
     def _save_result(self, job_id: str, tenant_id: str, table: str, item_id: str, write, info: dict,
                      metrics: dict) -> None:
-        """Write the job's file (atomically), then, in one transaction, its row and the job's success."""
+        """Write the job's file into the blob store, then, in one transaction, its row and the job's success."""
         self._update(job_id, phase="saving", progress=0.95)
-        path = self.store.head_path(item_id) if table == "heads" else self.store.asu_path(item_id)
-        write(path)
-        self.store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
-                        (item_id, tenant_id, job_id, path.stat().st_size, json.dumps(info), time.time())),
-                       ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
-                        "finished = ? WHERE id = ?", (json.dumps(metrics), item_id, time.time(), job_id))])
+        staged = self.store.blobs.staging()
+        try:
+            write(staged)
+            size = staged.stat().st_size
+            self.store.keep_file(staged, lambda digest: self.store.tx([
+                (f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 (item_id, tenant_id, job_id, size, json.dumps(info), time.time(), digest)),
+                ("UPDATE jobs SET status = 'succeeded', phase = 'done', progress = 1, metrics = ?, result = ?, "
+                 "finished = ? WHERE id = ?", (json.dumps(metrics), item_id, time.time(), job_id))]))
+        finally:
+            staged.unlink(missing_ok=True)
 
     def _evaluate(self, job: dict, cancel: threading.Event) -> None:
         from dataclasses import replace
@@ -228,7 +274,7 @@ class JobRunner:
 
         lm = self._private()
         if spec.get("backend") == "asu":  # the adapter goes onto the job's copy, never onto the serving model
-            tensors, info = load_asu(self.store.asu_path(spec["weights"]), self.engine.lm.fingerprint)
+            tensors, info = load_asu(self.store.file("asu_weights", spec["weights"]), self.engine.lm.fingerprint)
             lm = replace(lm, model=attach(lm.model, "asu_eval", tensors, info))
         def check() -> None:
             if cancel.is_set():

@@ -72,10 +72,12 @@ class AdapterCache:
         """(tensors, info) of stored weights, checked against this model; ProfileError otherwise."""
         from lethe.heads.asu.weights import load_asu
 
-        if not self.store.asu_path(weights_id).is_file():  # deleted just now, by a request racing this one
-            raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found")
         try:
-            return load_asu(self.store.asu_path(weights_id), self.engine.lm.fingerprint, self.shapes, self.n_layers)
+            path = self.store.file("asu_weights", weights_id)
+        except FileNotFoundError:  # deleted just now, by a request racing this one
+            raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found") from None
+        try:
+            return load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers)
         except BaseMismatch as e:
             raise ProfileError(409, "weights", self.store.public(str(e))) from None
         except HeadFileError as e:
@@ -170,11 +172,12 @@ class HeadCache:
                 self._heads.move_to_end(head_id)
                 return self._heads[head_id]
         cfg = self.lm.model.config
-        if not self.store.head_path(head_id).is_file():  # deleted just now, by a request racing this one
-            raise ProfileError(404, "head", f"head {head_id!r} not found")
         try:
-            head, info = load_head(self.store.head_path(head_id), self.lm.fingerprint, cfg.vocab_size,
-                                   cfg.hidden_size)
+            path = self.store.file("heads", head_id)
+        except FileNotFoundError:  # deleted just now, by a request racing this one
+            raise ProfileError(404, "head", f"head {head_id!r} not found") from None
+        try:
+            head, info = load_head(path, self.lm.fingerprint, cfg.vocab_size, cfg.hidden_size)
         except BaseMismatch as e:
             raise ProfileError(409, "head", self.store.public(str(e))) from None
         except HeadFileError as e:

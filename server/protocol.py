@@ -180,6 +180,7 @@ class ASUOut(BaseModel):
     lora_rank: int
     steps: int
     metrics: dict
+    sha256: str | None = Field(None, description="sha256 of the weights file (the same content is stored once).")
 
 
 class JobOut(BaseModel):
@@ -205,6 +206,7 @@ class HeadOut(BaseModel):
     rank: int
     metrics: dict
     profile: dict = Field(description="Recommended settings.")
+    sha256: str | None = Field(None, description="sha256 of the head file (the same content is stored once).")
 
 
 class ProfileOut(BaseModel):

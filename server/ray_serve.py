@@ -3,8 +3,9 @@
     client -> Ray Serve's HTTP proxy -> Router (1 replica, no model) -> Replica (N, each a whole Lethe server:
                                          picks the head id             its own engine on its own device)
                                                                           |
-                                       PostgreSQL (tenants, keys, datasets, heads, jobs, profiles) and one
-                                       data directory (dataset, head and adapter files) shared by all
+                                       PostgreSQL (tenants, keys, datasets, heads, jobs, profiles) and a blob
+                                       store (dataset, head and adapter files; LETHE_BLOB_URL) shared by all;
+                                       each training or evaluation job a Ray task of its own (job_dispatcher)
 
 Every replica runs the same FastAPI app as the one-process server, so the API, the OpenAI routes and their
 errors are the same. The router reads the profile a generation request asks for (the tenant's current version,
@@ -148,6 +149,43 @@ async def start_lifespan(app) -> None:
     await started
 
 
+def run_job(settings: Settings, job: dict) -> str:
+    """A claimed job, run in a Ray task of its own: the model loaded here (a job never uses a serving replica's),
+    the job's heartbeat, progress and result written to the shared database and blob store; its final status."""
+    import torch
+
+    from lethe.heads.modelio import load_model
+    from lethe.server.jobs import JobRunner, OwnModel
+    from lethe.server.profiles import HeadCache
+    from lethe.server.storage import Store
+
+    torch.set_num_threads(max(1, int(settings.job_cpus)))
+    lm = load_model(settings.model, settings.device, settings.dtype)
+    store = Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache)
+    try:
+        runner = JobRunner(store, OwnModel(lm), heads=HeadCache(store, lm, 4), stale=settings.job_stale_seconds,
+                           worker=False)
+        return runner.execute(job)
+    finally:
+        store.close()
+
+
+def job_dispatcher(settings: Settings):
+    """`dispatch(job)` for a replica's JobRunner: the job runs as a Ray task reserving `settings.job_cpus` CPUs and
+    `settings.job_gpus` GPUs (1 where the replicas use CUDA, unless set), never retried (a job whose process died
+    is failed, with the reason); the replica's job thread waits for it. The task inherits the replica's
+    environment (Ray passes a parent's runtime_env on to its tasks)."""
+    import ray
+
+    gpus = settings.job_gpus or (1.0 if settings.device == "cuda" else 0.0)
+    task = ray.remote(run_job).options(num_cpus=settings.job_cpus, num_gpus=gpus, max_retries=0, name="lethe-job")
+
+    def dispatch(job: dict) -> str:
+        return ray.get(task.remote(settings, dict(job)))
+
+    return dispatch
+
+
 def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_per_replica: int = 64,
                env: dict[str, str] | None = None):
     """The Ray Serve application: a router in front of `replicas` Lethe replicas, each given `threads` CPUs
@@ -168,7 +206,7 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
             from lethe.server.app import create_app
 
             torch.set_num_threads(threads)
-            self.app = create_app(settings)
+            self.app = create_app(settings, dispatch_jobs=job_dispatcher(settings))
             self._ready: asyncio.Task | None = None
             self.name = serve.get_replica_context().replica_id.unique_id  # answers say which replica answered
 
@@ -215,7 +253,7 @@ def deployment(settings: Settings, replicas: int, threads: int = 1, max_heads_pe
             from lethe.server.storage import Store
 
             self.settings = settings
-            self.store = Store(settings.data_dir, settings.database_url)
+            self.store = Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache)
             self.replica = replica
 
         async def __call__(self, request):
@@ -303,6 +341,11 @@ def serve_forever(settings: Settings, replicas: int, threads: int = 1, num_cpus:
     import ray
     from ray import serve
 
+    if address is None:  # a local cluster: room for every replica and one job beside them, as Ray counts CPUs
+        import math
+        import os
+
+        num_cpus = max(num_cpus or os.cpu_count() or 1, math.ceil(replicas * threads + settings.job_cpus))
     ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
              ignore_reinit_error=True, log_to_driver=True)
     # after ray.init, which sets a SIGTERM handler of its own: a service manager's stop runs `finally` below

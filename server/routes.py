@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from lethe.heads.io import atomic_write_bytes
 from lethe.heads.records import RecordError, parse_jsonl, unicode_problem
 from lethe.server.auth import admin, tenant
 from lethe.server.generation import field_error
@@ -93,17 +91,15 @@ def _store_dataset(request: Request, tenant_id: str, data: bytes, name: str | No
     del text
     quotas = request.app.state.quotas
     quotas.dataset(tenant_id, len(data))  # refused before the file is written; checked again with the insert
-    dataset_id = new_id("ds")
-    path = store.dataset_path(dataset_id)
-    atomic_write_bytes(path, data)
-    row = (dataset_id, tenant_id, name, count, hashlib.sha256(data).hexdigest(), len(data), time.time())
-    try:
+    row = [new_id("ds"), tenant_id, name, count, None, len(data), time.time()]
+
+    def insert(digest: str) -> None:
+        row[4] = digest
         with quotas.guard(tenant_id):  # held for the check and the insert only, not for the write
             quotas.dataset(tenant_id, len(data))
-            store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", row)])
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
+            store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", tuple(row))])
+
+    store.keep_file(data, insert)
     return DatasetOut(id=row[0], name=row[2], records=row[3], sha256=row[4], bytes=row[5], created=row[6])
 
 
@@ -128,8 +124,9 @@ def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(t
     users = store.users_of(tenant_id, "dataset", dataset_id)
     if users:
         raise HTTPException(409, f"dataset {dataset_id!r} is used by {', '.join(users)}; wait for them or cancel them")
+    digest = store.digest("datasets", dataset_id)
     store.tx([("DELETE FROM datasets WHERE id = ?", (dataset_id,))])
-    store.dataset_path(dataset_id).unlink(missing_ok=True)
+    store.release(digest)
     return Response(status_code=204)
 
 
@@ -195,7 +192,7 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
     store = request.app.state.store
     _check_datasets(request, tenant_id, body)
     for field in ("forget", "retain"):
-        if not all(all(k in r for k in TOFU_FIELDS) for r in read_jsonl(store.dataset_path(getattr(body, field)))):
+        if not all(all(k in r for k in TOFU_FIELDS) for r in read_jsonl(store.file("datasets", getattr(body, field)))):
             raise field_error(field, "evaluation needs TOFU records (question, answer, paraphrased_answer, "
                                      "perturbed_answer)")
     profile = body.profile.spec() if isinstance(body.profile, ProfileSpec) else body.profile
@@ -218,7 +215,8 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
 def _asu_out(w: dict) -> ASUOut:
     info = json.loads(w["info"])
     return ASUOut(id=w["id"], job=w["job_id"], bytes=w["bytes"], created=w["created"], tau=info["tau"],
-                  layers=info["layers"], lora_rank=info["lora_rank"], steps=info["steps"], metrics=info["metrics"])
+                  layers=info["layers"], lora_rank=info["lora_rank"], steps=info["steps"], metrics=info["metrics"],
+                  sha256=w.get("sha256"))
 
 
 @router.get("/v1/asu", response_model=list[ASUOut], tags=["asu"])
@@ -243,17 +241,17 @@ def _delete_trained(request: Request, tenant_id: str, table: str, item_id: str, 
     users = store.users_of(tenant_id, key, item_id)
     if users:
         raise HTTPException(409, f"{kind} {item_id!r} is used by {', '.join(users)}; change or delete them first")
+    digest = store.digest(table, item_id)
     store.tx([(f"DELETE FROM {table} WHERE id = ?", (item_id,))])
-    _remove_trained(request, table, item_id)
+    _remove_trained(request, table, item_id, digest)
     return Response(status_code=204)
 
 
-def _remove_trained(request: Request, table: str, item_id: str) -> None:
+def _remove_trained(request: Request, table: str, item_id: str, digest: str | None) -> None:
     """After its row is deleted: a head leaves the cache, ASU weights are detached (now, or when the last request
-    using them ends), and the file goes."""
-    store = request.app.state.store
+    using them ends), and the file goes unless another row names the same content."""
     (request.app.state.heads if table == "heads" else request.app.state.adapters).drop(item_id)
-    (store.head_path(item_id) if table == "heads" else store.asu_path(item_id)).unlink(missing_ok=True)
+    request.app.state.store.release(digest)
 
 
 @router.delete("/v1/asu/{weights_id}", status_code=204, tags=["asu"])
@@ -279,10 +277,17 @@ def _store_trained(request: Request, tenant_id: str, table: str, prefix: str, ch
     store, quotas = request.app.state.store, request.app.state.quotas
     quotas.stored(tenant_id, table)  # refused before the file is written; checked again with the insert
     item_id = new_id(prefix)
-    path = store.head_path(item_id) if table == "heads" else store.asu_path(item_id)
-    atomic_write_bytes(path, data)
+    path = store.blobs.staging(".safetensors")
     row = {"id": item_id, "tenant_id": tenant_id, "job_id": None, "bytes": len(data), "created": time.time()}
+
+    def insert(digest: str) -> None:
+        with quotas.guard(tenant_id):
+            quotas.stored(tenant_id, table)
+            store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (item_id, tenant_id, None, row["bytes"], row["info"], row["created"], digest))])
+
     try:
+        path.write_bytes(data)
         try:
             row["info"] = json.dumps(check(path))
             response = out(row)
@@ -290,14 +295,10 @@ def _store_trained(request: Request, tenant_id: str, table: str, prefix: str, ch
         except (HeadFileError, BaseMismatch, ValueError, KeyError, TypeError) as e:
             status = 409 if isinstance(e, BaseMismatch) else 422
             raise field_error("file", str(e).replace(str(path), "upload"), status) from None
-        with quotas.guard(tenant_id):
-            quotas.stored(tenant_id, table)
-            store.tx([(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, ?)",
-                       (item_id, tenant_id, None, row["bytes"], row["info"], row["created"]))])
-    except BaseException:
+        digest = store.keep_file(path, insert)
+    finally:
         path.unlink(missing_ok=True)
-        raise
-    return response
+    return response.model_copy(update={"sha256": digest})
 
 
 @router.post("/v1/heads/upload", response_model=HeadOut, status_code=201, tags=["heads"])
@@ -327,7 +328,7 @@ async def upload_asu(request: Request, tenant_id: str = Depends(tenant)) -> ASUO
 def _head_out(h: dict) -> HeadOut:
     info = json.loads(h["info"])
     return HeadOut(id=h["id"], job=h["job_id"], bytes=h["bytes"], created=h["created"], rank=info["rank"],
-                   metrics=info["metrics"], profile=info["profile"])
+                   metrics=info["metrics"], profile=info["profile"], sha256=h.get("sha256"))
 
 
 @router.get("/v1/heads", response_model=list[HeadOut], tags=["heads"])
@@ -525,8 +526,8 @@ def delete_tenant(name: str, request: Request):
     except ValueError as e:
         raise HTTPException(409, str(e)) from None
     for table in ("heads", "asu_weights"):
-        for item_id in owned[table]:
-            _remove_trained(request, table, item_id)
-    for dataset_id in owned["datasets"]:
-        store.dataset_path(dataset_id).unlink(missing_ok=True)
+        for item_id, digest in owned[table]:
+            _remove_trained(request, table, item_id, digest)
+    for _, digest in owned["datasets"]:
+        store.release(digest)
     return Response(status_code=204)

@@ -7,6 +7,9 @@ data directory, with 8 tenants each holding a random head in a profile of its ow
    16 clients on the 8 tenants' heads (tokens/s, p50 and p99 latency);
 3. Ray Serve with 2 replicas (1 thread each): the same 16 clients.
 Targets (issue 15): 2 replicas / 1 replica >= 1.7x in tokens/s, p99 within 1.2x; the overhead reported in ms.
+Each loaded phase also reports where the machine's CPU time went (`cpu_by_role`: cores used by the replicas, Ray's
+proxy and router, Ray's other processes, PostgreSQL and the clients), so a result can be read against the cores
+the machine has.
 """
 
 from __future__ import annotations
@@ -70,6 +73,51 @@ def ray_server(settings, replicas: int):
         del ray
 
 
+ROLES = (("replicas", ("lethe-replica",)), ("ray proxy and router", ("ProxyActor", "lethe-router", "ServeController")),
+         ("ray other", ("raylet", "gcs_server", "ray::", "ray/", "dashboard", "runtime_env")),
+         ("postgresql", ("postgres",)))
+
+
+def _role(proc, me: int) -> str:
+    if proc.pid == me:
+        return "clients (this process)"
+    try:
+        line = " ".join(proc.cmdline()) or proc.name()
+    except Exception:  # gone, or not ours to read
+        return "other"
+    return next((role for role, marks in ROLES if any(m in line for m in marks)), "other")
+
+
+def cpu_by_role(run):
+    """`run()`'s result and the cores each role used while it ran (CPU seconds / wall seconds), with the
+    machine's total: a phase whose total is near the machine's core count had no idle core to give."""
+    import psutil
+
+    me = os.getpid()
+
+    def snapshot() -> dict[int, tuple[str, float]]:
+        taken = {}
+        for proc in psutil.process_iter():
+            try:
+                times = proc.cpu_times()
+                taken[proc.pid] = (_role(proc, me), times.user + times.system)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return taken
+
+    before, machine, started = snapshot(), psutil.cpu_times(), time.monotonic()
+    result = run()
+    after, machine_after, wall = snapshot(), psutil.cpu_times(), time.monotonic() - started
+    used: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        used[role] = used.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    busy = lambda t: t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    usage = {role: round(seconds / wall, 2) for role, seconds in sorted(used.items())}
+    usage["machine total"] = round((busy(machine_after) - busy(machine)) / wall, 2)
+    usage["machine cores"] = psutil.cpu_count()
+    return result, usage
+
+
 @contextmanager
 def _database(url: str | None):
     if url:
@@ -124,7 +172,8 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
                 keys.append(_key(client))
                 client.close()
             load(url, keys[:1], 1, 3.0, max_tokens)  # warm-up
-            result["plain_1_client"] = load(url, keys[:1], 1, single, max_tokens)
+            result["plain_1_client"], result["cpu_plain_1_client"] = cpu_by_role(
+                lambda: load(url, keys[:1], 1, single, max_tokens))
         ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
         try:
             settings = Settings(model=model, data_dir=data, database_url=database, admin_key=admin,
@@ -135,7 +184,8 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
                     load(url, keys, clients, 5.0, max_tokens)  # warm-up: every replica loads its heads
                     if replicas == 1:
                         result["ray_1_replica_1_client"] = load(url, keys[:1], 1, single, max_tokens)
-                    result[f"ray_{replicas}_replicas"] = load(url, keys, clients, duration, max_tokens)
+                    result[f"ray_{replicas}_replicas"], result[f"cpu_ray_{replicas}_replicas"] = cpu_by_role(
+                        lambda: load(url, keys, clients, duration, max_tokens))
         finally:
             from lethe.server.ray_serve import shutdown_local_ray
 

@@ -24,6 +24,15 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("lethe-data"), description="SQLite metadata, datasets and heads.")
     database_url: str | None = Field(None, description="Metadata database: SQLite in the data directory by default; "
                                                        "postgresql://user@host/db to share it between replicas.")
+    blob_url: str | None = Field(None, description="Where dataset, head and adapter files live: <data dir>/blobs by "
+                                                   "default; a shared directory or an fsspec URL (s3://bucket/lethe) "
+                                                   "for replicas on several machines.")
+    blob_cache: Path | None = Field(None, description="This replica's copies of a remote blob store's files "
+                                                      "(default <data dir>/blob-cache).")
+    job_cpus: float = Field(1.0, gt=0, description="On Ray Serve: CPUs a training or evaluation job reserves "
+                                                   "(each job is a Ray task of its own, beside the replicas).")
+    job_gpus: float = Field(0.0, ge=0, description="On Ray Serve: GPUs a job reserves (default: 1 where the "
+                                                   "replicas use CUDA, else 0).")
     job_stale_seconds: float = Field(60.0, gt=0, description="A running job without a heartbeat for this long lost "
                                                              "its worker (a replica that died): it is marked failed.")
     admin_key: str | None = Field(None, description="Bearer key for the admin endpoints (tenants, keys).")

@@ -1,4 +1,4 @@
-"""Metadata in a database (SQLite by default, PostgreSQL for several replicas), files in the data directory.
+"""Metadata in a database (SQLite by default, PostgreSQL for several replicas), files in a blob store.
 
 The database is SQLite (WAL) in the data directory unless `LETHE_DATABASE_URL` names another:
 `postgresql://user@host/db` shares tenants, keys, datasets, heads, jobs and profiles between replicas. Both
@@ -7,14 +7,17 @@ at start-up (`MIGRATIONS`), so a database made by an earlier release is upgraded
 
 Layout of the data directory:
     lethe.db            tenants, keys (hashed), datasets, heads, jobs, profiles and their versions (SQLite)
-    datasets/<id>.jsonl uploaded records, as received
-    heads/<id>.safetensors
-    asu/<id>.safetensors  ASU adapters
-Every file is written atomically (heads.io); a row points at a file only once the file is complete.
+    blobs/<ab>/<sha256> uploaded records as received, heads, ASU adapters (`server.blobs`; LETHE_BLOB_URL
+                        puts them elsewhere, a shared directory or an object store)
+    blob-cache/         this replica's copies of a remote blob store's files
+A row names its file by sha256 (`datasets.sha256`, `heads.sha256`, `asu_weights.sha256`) and is inserted only
+once the file is stored whole. Releases before blobs kept `datasets/<id>.jsonl`, `heads/<id>.safetensors` and
+`asu/<id>.safetensors`; `adopt_files` moves them into the blob store at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -41,7 +44,8 @@ Table("datasets", METADATA, Column("id", Text, primary_key=True), Column("tenant
       Column("created", Double, nullable=False))
 for _name in ("heads", "asu_weights"):
     Table(_name, METADATA, Column("id", Text, primary_key=True), Column("tenant_id", Text, nullable=False),
-          Column("job_id", Text), Column("bytes", Integer), Column("info", Text), Column("created", Double, nullable=False))
+          Column("job_id", Text), Column("bytes", Integer), Column("info", Text), Column("created", Double, nullable=False),
+          Column("sha256", Text))
 Table("jobs", METADATA, Column("id", Text, primary_key=True), Column("tenant_id", Text, nullable=False),
       Column("kind", Text, nullable=False), Column("status", Text, nullable=False), Column("phase", Text),
       Column("progress", Double), Column("params", Text), Column("metrics", Text), Column("result", Text),
@@ -59,6 +63,8 @@ KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
 
 
 TABLES = ("datasets", "heads", "jobs", "asu_weights")
+FILES = ("datasets", "heads", "asu_weights")  # the tables whose rows name a blob (column sha256)
+LEGACY = {"datasets": ("datasets", ".jsonl"), "heads": ("heads", ".safetensors"), "asu_weights": ("asu", ".safetensors")}
 
 
 def _add_columns(conn: Connection, ops, table: str, *columns: Column) -> None:
@@ -83,9 +89,16 @@ def _jobs_gain_heartbeat(conn: Connection, ops) -> None:
     _add_columns(conn, ops, "jobs", Column("heartbeat", Double))
 
 
+def _files_gain_digests(conn: Connection, ops) -> None:
+    """3: heads and ASU weights name their file by sha256, as datasets did, so files live in a content-addressed
+    blob store (`Store.adopt_files` moves the files themselves, which needs the store, at start-up)."""
+    for table in ("heads", "asu_weights"):
+        _add_columns(conn, ops, table, Column("sha256", Text))
+
+
 # (version, migration): each takes a database at the version before it to its own. A new release that changes
 # the schema appends one, and changes METADATA to match.
-MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids), (2, _jobs_gain_heartbeat)]
+MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids), (2, _jobs_gain_heartbeat), (3, _files_gain_digests)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -196,14 +209,18 @@ class Store:
     """Thread-safe access to the metadata database. Statements are SQL with `?` placeholders, portable between
     SQLite and PostgreSQL; `tx` runs several in one transaction."""
 
-    def __init__(self, data_dir: Path, url: str | None = None):
+    def __init__(self, data_dir: Path, url: str | None = None, blob_url: str | None = None,
+                 blob_cache: Path | None = None):
+        from lethe.server.blobs import BlobStore
+
         self.dir = Path(data_dir)
-        for sub in ("datasets", "heads", "asu"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(blob_url or self.dir / "blobs", blob_cache or self.dir / "blob-cache")
         self.url = database_url(self.dir, url)
         self.engine = _connect(self.url)
         self.found_version = upgrade(self.engine)
         self._lock = threading.RLock()
+        self._blob_locks = [threading.Lock() for _ in range(64)]
         self._touched: dict[str, float] = {}  # key hash -> when last_used was last written (at most once a minute)
 
     @property
@@ -287,16 +304,17 @@ class Store:
             self.tx([("DELETE FROM api_keys WHERE hash = ?", (digest,)), insert])
             return key
 
-    def delete_tenant(self, tenant_id: str) -> dict[str, list[str]]:
-        """Delete a tenant's rows, keys included, in one transaction; returns the ids of its datasets, heads and
-        ASU weights (the caller removes their files and cached copies after). Refused (ValueError) while one of
-        its jobs is queued or running."""
+    def delete_tenant(self, tenant_id: str) -> dict[str, list[tuple[str, str | None]]]:
+        """Delete a tenant's rows, keys included, in one transaction; returns its datasets, heads and ASU
+        weights as (id, digest of the file) (the caller releases the files and drops cached copies after).
+        Refused (ValueError) while one of its jobs is queued or running."""
         with self._lock:
             active = self.q("SELECT id FROM jobs WHERE tenant_id = ? AND status IN ('queued', 'running')", tenant_id)
             if active:
                 raise ValueError(f"jobs {', '.join(r['id'] for r in active)} are queued or running: cancel them first")
-            owned = {table: [r["id"] for r in self.q(f"SELECT id FROM {table} WHERE tenant_id = ?", tenant_id)]
-                     for table in ("datasets", "heads", "asu_weights")}
+            owned = {table: [(r["id"], r["sha256"]) for r in self.q(f"SELECT id, sha256 FROM {table} "
+                                                                   "WHERE tenant_id = ?", tenant_id)]
+                     for table in FILES}
             self.tx([(f"DELETE FROM {table} WHERE tenant_id = ?", (tenant_id,))
                      for table in ("profiles", "profile_versions", *TABLES, "api_keys")]
                     + [("DELETE FROM tenants WHERE id = ?", (tenant_id,))])
@@ -317,19 +335,115 @@ class Store:
         return [dict(r) for r in self.q(f"SELECT * FROM {table} WHERE tenant_id = ? ORDER BY created", tenant_id)]
 
     def public(self, message: str) -> str:
-        """A message as a tenant may see it: the data directory's path (as given and resolved) masked."""
-        for path in sorted({str(self.dir.resolve()), str(self.dir)} - {"", "."}, key=len, reverse=True):
+        """A message as a tenant may see it: the data directory's and the blob store's paths (as given and
+        resolved) masked."""
+        places = {str(self.dir.resolve()), str(self.dir), self.blobs.url, self.blobs.root, str(self.blobs.cache)}
+        for path in sorted(places - {"", "."}, key=len, reverse=True):
             message = message.replace(path, "<data>")
         return message
 
-    def dataset_path(self, dataset_id: str) -> Path:
-        return self.dir / "datasets" / f"{dataset_id}.jsonl"
+    # files: a row names its blob by sha256
+    def digest(self, table: str, item_id: str) -> str | None:
+        assert table in FILES
+        rows = self.q(f"SELECT sha256 FROM {table} WHERE id = ?", item_id)
+        return rows[0]["sha256"] if rows else None
 
-    def head_path(self, head_id: str) -> Path:
-        return self.dir / "heads" / f"{head_id}.safetensors"
+    def file(self, table: str, item_id: str) -> Path:
+        """A local path to a dataset's, head's or ASU weights' file (FileNotFoundError when the row or its blob
+        is gone: deleted just now, by a request racing this one)."""
+        digest = self.digest(table, item_id)
+        if digest is None:
+            raise FileNotFoundError(f"{table[:-1] if table != 'asu_weights' else 'ASU weights'} {item_id} is gone")
+        return self.blobs.path(digest)
 
-    def asu_path(self, weights_id: str) -> Path:
-        return self.dir / "asu" / f"{weights_id}.safetensors"
+    def referenced(self) -> set[str]:
+        """The digests some row names."""
+        return {r["sha256"] for table in FILES for r in self.q(f"SELECT sha256 FROM {table} WHERE sha256 IS NOT NULL")}
+
+    def _named(self, digest: str) -> bool:
+        return bool(self.q(" UNION ALL ".join(f"SELECT id FROM {t} WHERE sha256 = ?" for t in FILES),
+                           *([digest] * len(FILES))))
+
+    @contextlib.contextmanager
+    def holding(self, digest: str):
+        """Exclusive use of one blob: "put it, insert the row naming it" against "no row names it, delete it",
+        in this process (a lock per digest) and between replicas (a PostgreSQL advisory lock on the digest)."""
+        with self._blob_locks[int(digest[:2], 16) % len(self._blob_locks)]:
+            if self.dialect != "postgresql":
+                yield
+                return
+            key = {"k": int(digest[:7], 16)}  # a positive int4: the two-key form is its own space of locks
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(7135, :k)"), key)
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(7135, :k)"), key)
+                    conn.commit()
+
+    def keep_file(self, source: Path | bytes, insert: Callable[[str], None]) -> str:
+        """Put a finished file (a local path, which is moved, or bytes) into the blob store and call
+        `insert(digest)` to add the row naming it, holding the blob meanwhile. If `insert` raises, the blob goes
+        again unless another row names it. Returns the digest."""
+        from lethe.server.blobs import sha256_file
+
+        if isinstance(source, bytes):
+            staged = self.blobs.staging()
+            staged.write_bytes(source)
+            digest = hashlib.sha256(source).hexdigest()
+        else:
+            staged, digest = Path(source), sha256_file(source)
+        try:
+            with self.holding(digest):
+                self.blobs.put(staged, digest)
+                try:
+                    insert(digest)
+                except BaseException:
+                    if not self._named(digest):
+                        self.blobs.delete(digest)
+                    raise
+        finally:
+            staged.unlink(missing_ok=True)
+        return digest
+
+    def release(self, digest: str | None) -> bool:
+        """After a row naming `digest` was deleted: delete the blob unless another row still names it. Returns
+        whether it went."""
+        if not digest:
+            return False
+        with self.holding(digest):
+            if self._named(digest):
+                return False
+            self.blobs.delete(digest)
+            return True
+
+    def clean_blobs(self, older_than: float) -> int:
+        """Remove blobs no row names (a crash between the put and the insert) and temporary files older than
+        `older_than` seconds; returns how many went."""
+        removed = self.blobs.clean(self.referenced(), older_than)
+        for digest in self.blobs.digests() - self.referenced():
+            removed += self.release(digest)
+        return removed
+
+    def adopt_files(self) -> int:
+        """Move the files of a release before blobs (`datasets/<id>.jsonl`, ...) into the blob store and name
+        them in their rows; returns how many. Replicas starting together may race: a file another one moved
+        is skipped."""
+        adopted = 0
+        for table, (folder, suffix) in LEGACY.items():
+            old = self.dir / folder
+            if not old.is_dir():
+                continue
+            for row in self.q(f"SELECT id FROM {table}"):
+                path = old / f"{row['id']}{suffix}"
+                try:
+                    size = path.stat().st_size
+                    self.keep_file(path, lambda digest: self.tx([(f"UPDATE {table} SET sha256 = ?, bytes = ? "
+                                                                  "WHERE id = ?", (digest, size, row["id"]))]))
+                except FileNotFoundError:
+                    continue
+                adopted += 1
+        return adopted
 
     # profiles
     def put_profile(self, tenant_id: str, name: str, spec: dict, note: str | None = None) -> int:

@@ -52,7 +52,8 @@ def new_tenant(url: str, name: str) -> httpx.Client:
 
 @contextmanager
 def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: dict | None = None, **overrides):
-    """Lethe on a local Ray cluster (the machine's 2 CPUs): `replicas` replicas of the server, 1 torch thread each,
+    """Lethe on a local Ray cluster (the machine's 2 cores, counted by Ray as one CPU per replica and one for a job's
+    own task): `replicas` replicas of the server, 1 torch thread each,
     sharing the PostgreSQL database `database_url` and `data_dir`, behind Ray Serve's HTTP proxy; yields its URL."""
     import ray
     from ray import serve
@@ -62,7 +63,7 @@ def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: 
     port = free_port()
     settings = Settings(model=model_dir, data_dir=data_dir, port=port, admin_key=ADMIN_KEY, demo_tenant=False,
                         database_url=database_url, **overrides)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(num_cpus=replicas + 1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(deployment(settings, replicas, threads=1, env=env), name="lethe", route_prefix="/")

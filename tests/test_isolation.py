@@ -104,12 +104,12 @@ BAD_ASU = {
 def test_bad_asu_uploads_are_refused_and_leave_nothing(served, tmp_path, tiny_records, case):
     client, lm, alice, bob = served
     before = _answers(client, _prompts(tiny_records)), _answers(client, _prompts(tiny_records), bob)
-    files = set((client.app.state.store.dir / "asu").iterdir())
+    files = client.app.state.store.blobs.digests()
     r = _upload(client, alice, _asu_file(tmp_path / "w.safetensors", lm, **BAD_ASU[case]))
     assert r.status_code == 422, (case, r.text)
     assert r.json()["detail"][0]["loc"][-1] == "file"
     assert client.get("/v1/asu", headers=alice).json() == []
-    assert set((client.app.state.store.dir / "asu").iterdir()) == files  # nothing kept on disk either
+    assert client.app.state.store.blobs.digests() == files  # nothing kept on disk either
     assert (_answers(client, _prompts(tiny_records)), _answers(client, _prompts(tiny_records), bob)) == before
 
 
@@ -124,7 +124,7 @@ def test_weights_that_fail_to_attach_leave_every_other_row_exactly_as_before(ser
     assert good.status_code == 201, good.text
     store = client.app.state.store
     # replace the stored file by one with a tensor that fits no module: as if stored by an older release
-    _asu_file(store.asu_path(good.json()["id"]), lm, **BAD_ASU["a key that fits no module"])
+    _asu_file(store.file("asu_weights", good.json()["id"]), lm, **BAD_ASU["a key that fits no module"])
     r = client.post("/generate", json={"prompt": prompts[0], "profile": {"backend": "asu",
                                                                           "weights": good.json()["id"]}},
                     headers=alice)

@@ -65,12 +65,16 @@ def test_a_tenant_is_deleted_with_all_its_data(server, sets):
         assert e.value.status == 409 and job.id in e.value.message
         head = c.wait(job).head
         c.set_profile("p", head=head)
-    kept = Lethe(url, key=other).upload_dataset(folder / "forget.jsonl")
-    files = [data / "datasets" / f"{f.id}.jsonl", data / "datasets" / f"{r.id}.jsonl",
-             data / "heads" / f"{head}.safetensors"]
+    kept = Lethe(url, key=other).upload_dataset(folder / "forget.jsonl")  # the same content as the leaver's `f`
+    assert kept.sha256 == f.sha256
+    with sqlite3.connect(data / "lethe.db") as db:
+        [(head_digest,)] = db.execute("SELECT sha256 FROM heads WHERE id = ?", (head,)).fetchall()
+    blobs = data / "blobs"
+    files = [blobs / r.sha256[:2] / r.sha256, blobs / head_digest[:2] / head_digest]
     assert all(p.exists() for p in files)
     admin.delete_tenant("leaving")
-    assert not any(p.exists() for p in files)
+    assert not any(p.exists() for p in files), "the leaver's files are gone"
+    assert (blobs / f.sha256[:2] / f.sha256).exists(), "a file another tenant's row names stays"
     with pytest.raises(LetheError) as e:
         Lethe(url, key=key).list_datasets()
     assert e.value.status == 401

@@ -52,7 +52,7 @@ def test_the_same_calls_give_the_same_answers_on_both_backends(tmp_path, databas
     with pytest.raises(ValueError, match="job_1"):
         store.delete_tenant(tenant)  # refused while a job runs
     store.tx([("UPDATE jobs SET status = ? WHERE id = ?", ("succeeded", "job_1"))])
-    assert store.delete_tenant(tenant) == {"datasets": ["ds_1"], "heads": [], "asu_weights": []}
+    assert store.delete_tenant(tenant) == {"datasets": [("ds_1", "abc")], "heads": [], "asu_weights": []}
     assert store.tenant_by_name("acme") is None and store.profile_names(tenant) == []
     assert store.tenant_by_name("globex") == other and store.current_profile(other, "p") == (1, {"head": "x"})
     store.close()

@@ -1,0 +1,178 @@
+"""Dataset, head and adapter files in a content-addressed blob store: a directory by default, any fsspec URL as an
+option (here `memory://`, which stands for an object store: nothing is on the local disk but each replica's cache).
+"""
+
+import hashlib
+import json
+import sqlite3
+import threading
+import uuid
+
+import httpx
+import pytest
+import sqlalchemy
+
+from lethe.heads.records import question_prompt
+from lethe.server.blobs import BlobMissing, BlobStore
+from lethe.server.storage import Store
+from live_server import running_server, new_tenant
+
+
+def _memory_url() -> str:
+    return f"memory://lethe-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_remote_store_is_read_through_each_replicas_checked_cache(tmp_path):
+    url = _memory_url()
+    one, two = BlobStore(url, tmp_path / "cache-1"), BlobStore(url, tmp_path / "cache-2")
+    staged = one.staging()
+    staged.write_bytes(b"forget me")
+    digest = one.put(staged)
+    assert digest == hashlib.sha256(b"forget me").hexdigest() and not staged.exists(), "moved, not copied"
+    assert one.exists(digest) and two.exists(digest) and one.digests() == {digest}
+    path = two.path(digest)  # the other replica downloads it once, into its own cache
+    assert path.read_bytes() == b"forget me" and path.is_relative_to(tmp_path / "cache-2")
+    one.fs.pipe_file(one.key(digest), b"changed behind our back")
+    assert two.path(digest).read_bytes() == b"forget me", "a cached copy is read from the cache"
+    three = BlobStore(url, tmp_path / "cache-3")
+    with pytest.raises(OSError, match="does not match its digest"):
+        three.path(digest)  # a copy that is not what its name says is refused, and not cached
+    assert not list((tmp_path / "cache-3").glob("??/*"))
+    one.delete(digest)
+    with pytest.raises(BlobMissing):
+        BlobStore(url, tmp_path / "cache-4").path(digest)
+    with pytest.raises(ValueError):
+        one.key("../../etc/passwd")
+
+
+def test_equal_files_are_stored_once_and_go_when_no_row_names_them(tmp_path, database_url):
+    store = Store(tmp_path / "data", database_url)
+    tenant, _ = store.create_tenant("t")
+
+    def insert(dataset_id):
+        return lambda digest: store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                         (dataset_id, tenant, "d", 1, digest, 3, 0.0))])
+
+    a = store.keep_file(b"abc", insert("ds_a"))
+    b = store.keep_file(b"abc", insert("ds_b"))
+    assert a == b and store.blobs.digests() == {a}
+    with pytest.raises(sqlalchemy.exc.IntegrityError):  # the row is refused: the blob another row names stays
+        store.keep_file(b"abc", insert("ds_a"))
+    with pytest.raises(sqlalchemy.exc.IntegrityError):  # a refused row's new blob does not stay
+        store.keep_file(b"xyz", insert("ds_a"))
+    assert store.blobs.digests() == {a}
+    store.tx([("DELETE FROM datasets WHERE id = ?", ("ds_a",))])
+    assert not store.release(a) and store.file("datasets", "ds_b").read_bytes() == b"abc"
+    store.tx([("DELETE FROM datasets WHERE id = ?", ("ds_b",))])
+    assert store.release(a) and store.blobs.digests() == set()
+    store.close()
+
+
+def test_a_delete_racing_an_upload_of_the_same_content_never_loses_a_named_file(tmp_path, database_url):
+    """One thread keeps adding and removing rows for one content, another does the same on a second Store (a second
+    replica on PostgreSQL): at every moment, and at the end, each row's file is there."""
+    stores = [Store(tmp_path / "data", database_url)]
+    stores.append(Store(tmp_path / "data", database_url) if stores[0].shared else stores[0])
+    tenant, _ = stores[0].create_tenant("t")
+    missing, errors = [], []
+
+    def churn(store: Store, name: str) -> None:
+        try:
+            for i in range(40):
+                row = f"ds_{name}{i}"
+                digest = store.keep_file(b"the same records", lambda d: store.tx([(
+                    "INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", (row, tenant, "d", 1, d, 16, 0.0))]))
+                if not store.blobs.exists(digest):
+                    missing.append(row)
+                store.tx([("DELETE FROM datasets WHERE id = ?", (row,))])
+                store.release(digest)
+        except Exception as e:  # reported below, with the thread's name
+            errors.append(f"{name}: {e!r}")
+
+    threads = [threading.Thread(target=churn, args=(s, n)) for s, n in zip(stores, "xy")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not missing
+    assert stores[0].blobs.digests() == set(), "the last release removed it"
+    for s in set(stores):
+        s.close()
+
+
+def _ask(client, prompt: str, profile: str | None = None) -> str:
+    body = {"prompt": prompt, "temperature": 0, "max_new_tokens": 12} | ({"profile": profile} if profile else {})
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["text"]
+
+
+def _train(client, forget, retain) -> str:
+    f = client.post("/v1/datasets", content="".join(json.dumps(r) + "\n" for r in forget).encode()).json()["id"]
+    r = client.post("/v1/datasets", content="".join(json.dumps(r) + "\n" for r in retain).encode()).json()["id"]
+    job = client.post("/v1/heads", json={"forget": f, "retain": r, "max_epochs": 30}).json()["id"]
+    import time
+
+    while (state := client.get(f"/v1/jobs/{job}").json())["status"] in ("queued", "running"):
+        time.sleep(0.1)
+    assert state["status"] == "succeeded", state
+    return state["head"]
+
+
+def test_replicas_on_a_remote_store_serve_the_same_head(tiny_lm, tiny_records, tmp_path):
+    """Two servers on one database and one `memory://` store, each with its own cache: a head trained through one
+    answers the same through the other, which downloads it; nothing but caches is on the local disks."""
+    from lethe.heads.demo.corpus import split_by_author
+
+    url, shared_db = _memory_url(), f"sqlite:///{tmp_path / 'shared.db'}"
+    forget, retain = split_by_author(tiny_records, 1)
+    prompt = question_prompt(forget[0]["question"])
+    with running_server(tiny_lm, tmp_path / "one", blob_url=url, database_url=shared_db) as one:
+        a = new_tenant(one, "a")
+        head = _train(a, forget, retain)
+        a.put("/v1/profiles/p", json={"head": head})
+        trained = _ask(a, prompt, "p")
+        assert trained != _ask(a, prompt)
+        key = a.headers["Authorization"]
+    with running_server(tiny_lm, tmp_path / "two", blob_url=url, database_url=shared_db) as two:
+        b = httpx.Client(base_url=two, headers={"Authorization": key}, timeout=60)  # tenant a, via the other
+        assert _ask(b, prompt, "p") == trained
+    assert not list((tmp_path / "one").glob("blobs/??/*")) and not list((tmp_path / "two").glob("blobs/??/*"))
+    assert list((tmp_path / "two" / "blob-cache").glob("??/*")), "the head was read through the cache"
+
+
+def test_files_of_the_release_before_blobs_are_moved_into_the_store(tiny_lm, tiny_records, tmp_path):
+    """A data directory as the release before blob stores left it (schema version 2; files at datasets/<id>.jsonl,
+    heads/<id>.safetensors): at start-up its files move into the blob store and everything answers as before."""
+    from lethe.heads.demo.corpus import split_by_author
+
+    data = tmp_path / "data"
+    forget, retain = split_by_author(tiny_records, 1)
+    prompt = question_prompt(forget[0]["question"])
+    with running_server(tiny_lm, data) as url:
+        a = new_tenant(url, "a")
+        head = _train(a, forget, retain)
+        a.put("/v1/profiles/p", json={"head": head})
+        before = _ask(a, prompt, "p")
+        datasets = {d["id"]: d["sha256"] for d in a.get("/v1/datasets").json()}
+        [head_row] = a.get("/v1/heads").json()
+        key = a.headers["Authorization"]
+    # make it the previous release's layout
+    with sqlite3.connect(data / "lethe.db") as db:
+        for folder, table, suffix in (("datasets", "datasets", ".jsonl"), ("heads", "heads", ".safetensors")):
+            (data / folder).mkdir()
+            for item_id, digest in db.execute(f"SELECT id, sha256 FROM {table}").fetchall():
+                (data / "blobs" / digest[:2] / digest).rename(data / folder / f"{item_id}{suffix}")
+        (data / "asu").mkdir()
+        (data / "datasets" / "ds_orphan.jsonl").write_text("{}\n")  # a file no row names: it goes
+        for table in ("heads", "asu_weights"):
+            db.execute(f"ALTER TABLE {table} DROP COLUMN sha256")
+        db.execute("UPDATE lethe_schema SET version = 2")
+    assert not list((data / "blobs").glob("??/*"))
+    with running_server(tiny_lm, data) as url:
+        a = httpx.Client(base_url=url, headers={"Authorization": key}, timeout=60)
+        assert _ask(a, prompt, "p") == before
+        assert {d["id"]: d["sha256"] for d in a.get("/v1/datasets").json()} == datasets
+        assert a.get("/v1/heads").json() == [head_row]
+    assert {p.name for p in (data / "blobs").glob("??/*")} == {*datasets.values(), head_row["sha256"]}
+    assert not any((data / folder).exists() for folder in ("datasets", "heads", "asu")), "the old folders are gone"
