@@ -557,6 +557,33 @@ def cmd_bench_heads(args) -> int:
     return 0
 
 
+def cmd_bench_engine(args) -> int:
+    from lethe.heads.evaluation.engine_bench import bench_engine
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import ask, read_jsonl, resolve_format
+    from lethe.heads.t3.pipeline import train_head
+
+    lm = load_model(args.model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    head, settings = _profile(args, lm)
+    if head is None:
+        print("bench engine: training a head on --forget / --retain", file=sys.stderr, flush=True)
+        head, _ = train_head(lm, forget, retain, progress=False)
+    gguf = args.gguf or (args.model if str(args.model).endswith(".gguf") else None)
+    records = forget + retain
+    step = max(1, len(records) // max(args.equality, 8))
+    fmt = resolve_format(lm.tokenizer)
+    prompts = [ask(r["question"], fmt, lm.tokenizer) for r in records[::step]][:max(args.equality, 8)]
+    result = bench_engine(lm, head, settings, prompts, new_tokens=args.new_tokens, repeats=args.repeats, gguf=gguf,
+                          equality=args.equality, log=lambda m: print(m, file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=1)
+    if args.out:
+        atomic_write_text(args.out, text + "\n")
+    print(text)
+    return 0
+
+
 def cmd_bench_scale(args) -> int:
     import importlib.util
 
@@ -856,6 +883,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "the other: how the head's fixed per-step cost compares with models of each size")
     p.add_argument("--out", type=Path, help="JSON results")
     p.set_defaults(func=cmd_bench_t3)
+
+    p = bench.add_parser("engine", help="decode speed against model.generate and llama.cpp, with and without a head")
+    _add_model_args(p)
+    _add_profile_args(p)
+    p.add_argument("--forget", type=Path, required=True, help="records whose questions are the prompts (and the "
+                                                                 "head's training set without --head)")
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--gguf", type=Path, default=None, help="the model's GGUF file, for llama.cpp (needs "
+                                                           "llama-cpp-python; default: --model if it is one)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="rounds: one run of each variant per round")
+    p.add_argument("--equality", type=int, default=48, help="prompts whose greedy answers are compared")
+    p.add_argument("--out", type=Path, help="JSON results")
+    p.set_defaults(func=cmd_bench_engine)
 
     p = bench.add_parser("t3-quality", help="the quality table: full model, reference, paper, default, ablations")
     _add_model_args(p)

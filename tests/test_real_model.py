@@ -107,3 +107,20 @@ def test_a_head_trained_on_the_real_model_forgets_its_topic_and_keeps_the_rest(r
             hits[name, label] = sum(a in t for (_, a), t in zip(group, texts))
     assert hits["forget", "base"] == 4 and hits["retain", "base"] == 8, hits
     assert hits["forget", "head"] <= 2 and hits["retain", "head"] >= 7, hits
+
+
+def test_llama_cpp_decodes_in_a_process_of_its_own_the_same_alone_and_batched(real_lm):
+    """`lethe bench engine`'s llama.cpp runs (where llama-cpp-python is installed; CI does not install it): a
+    sequence decoded alone and the same sequence among 8 in one batch give the same greedy tokens."""
+    pytest.importorskip("llama_cpp")
+    from lethe.heads.evaluation.engine_bench import llamacpp_run
+    from lethe.heads.records import ask
+
+    tok = real_lm.tokenizer
+    ids = [tok(ask(q, "chat", tok), add_special_tokens=False)["input_ids"]
+           for q in ["What is the capital of France?", "Who wrote Hamlet?"] * 4]
+    alone = llamacpp_run(REAL_GGUF, ids, 8, "plain", 1, 1)
+    batched = llamacpp_run(REAL_GGUF, ids, 8, "plain", 8, 1, answers=True)
+    assert alone["tokens_per_s"] > 0 and batched["tokens_per_s"] > 0
+    assert batched["tokens"][0] == alone["tokens"][0] and batched["tokens"][0] == batched["tokens"][2]
+    assert tok.decode(batched["answers"][0]).strip().startswith("The capital of France is Paris")

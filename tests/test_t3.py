@@ -197,3 +197,21 @@ def test_cli_bench_t3_reports_every_ratio_for_the_model_and_for_a_size_sweep(tin
     with pytest.raises(SystemExit) as usage:  # a size needs HIDDEN,LAYERS: bad usage, exit code 2
         main(["bench", "t3", *common, "--random-model", "64"])
     assert usage.value.code == 2
+
+
+def test_cli_bench_engine_compares_lethe_with_generate_and_says_why_llama_cpp_was_skipped(tiny_model_dir, split,
+                                                                                      tmp_path):
+    forget, retain = split
+    for name, recs in (("forget", forget), ("retain", retain)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["bench", "engine", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--repeats", "1", "--new-tokens", "8",
+                 "--equality", "16", "--out", str(tmp_path / "e.json")]) == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    for batch in ("batch_1", "batch_8"):
+        row = result["lethe"][batch]
+        assert all(row[f"{k}_tokens_per_s"] > 0 for k in ("hf_generate", "lethe", "lethe_t3"))
+        assert row["t3_over_no_head"] > 0
+    assert result["equality_lethe_vs_hf_generate"]["of"] == 16
+    assert result["equality_lethe_vs_hf_generate"]["equal"] == 16, "Lethe's greedy answers are transformers' own"
+    assert result["llama_cpp"] == {"skipped": "no --gguf file"} and "bars" not in result

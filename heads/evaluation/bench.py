@@ -54,6 +54,19 @@ def _paired_ratio(runs: dict[str, list[float]], name: str, base: str) -> float:
     return round(statistics.median(a / b for a, b in zip(runs[name], runs[base])), 3)
 
 
+def hf_generate(lm, prompts: list[str], new_tokens: int) -> Callable[[], None]:
+    """transformers' own greedy `model.generate` on `prompts` (padded together), exactly `new_tokens` each."""
+    model, tok = lm.model, lm.tokenizer
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(lm.device)
+
+    def run() -> None:
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+
+    return run
+
+
 def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, repeats: int = 5,
                  asu_model=None, settings: TiltSettings | None = None) -> list[dict]:
     """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8.
@@ -67,16 +80,9 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
     rows = []
     for batch in (1, 8):
         ps = (prompts * batch)[:batch]
-        enc = tok(ps, return_tensors="pt", padding=True, add_special_tokens=False).to(lm.device)
-
-        def hf():
-            with torch.inference_mode():
-                model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=tok.pad_token_id)
-
         variants = {"no_head": lambda: generate(model, tok, ps, params),
                     "t3": lambda: generate(model, tok, ps, params, guide),
-                    "hf_generate": hf,
+                    "hf_generate": hf_generate(lm, ps, new_tokens),
                     "passthrough_guide": lambda: generate(model, tok, ps, params, _PassThrough()),
                     "t3_tensor_ops": lambda: generate(model, tok, ps, params, tensor_ops)}
         if asu_model is not None:

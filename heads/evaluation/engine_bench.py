@@ -1,0 +1,126 @@
+"""`lethe bench engine`: Lethe's decode speed against what CPU users run today, side by side in one run.
+
+On the same chat prompts, greedy, `new_tokens` new tokens each (end-of-text ignored, the prompt's evaluation
+included in every figure):
+* transformers' `model.generate` (the reference: float32 eager);
+* Lethe's decode loop without a head and with a T3 head, at batch 1 and batch 8;
+* llama.cpp on the model's GGUF file (`gguf`, with llama-cpp-python installed), single stream, in each way this
+  build runs (`heads.evaluation.llamacpp`: its defaults, token by token, without CPU-specific layouts), each in a
+  process of its own, since some builds crash on batched prompts; and 8 sequences in one batch.
+Then the issue-16 ratios against llama.cpp's fastest single stream, and greedy equality of whole answers (up to
+end-of-text) over `equality` prompts: Lethe against `model.generate`, llama.cpp against Lethe's float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lethe.heads.decoding.decode import eos_ids, generate, generate_chunked
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.heads.evaluation.bench import _paired_ratio, _timed_runs, hf_generate
+from lethe.heads.t3.guide import HeadGuide, TiltSettings
+from lethe.heads.t3.head import T3Head
+
+LLAMA_MODES = ("default", "token", "plain")
+
+
+def llamacpp_run(gguf: Path, prompt_ids: list[list[int]], new_tokens: int, mode: str, batch: int, rounds: int,
+                 answers: bool = False, timeout: float = 900) -> dict:
+    """One `heads.evaluation.llamacpp` run in a process of its own: its JSON, or {"error": why} if it crashed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompt_ids, f)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lethe.heads.evaluation.llamacpp", str(gguf), f.name,
+                               str(new_tokens), mode, str(batch), str(rounds)] + (["answers"] if answers else []),
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        reason = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+        return {"mode": mode, "batch": batch, "error": f"crashed ({reason}) {tail}".strip()}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> dict:
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    first = [next((j for j, (p, q) in enumerate(zip(a[i], b[i])) if p != q), min(len(a[i]), len(b[i])))
+             for i in differ]
+    return {"equal": len(a) - len(differ), "of": len(a), "first_difference_at": first}
+
+
+def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[str], new_tokens: int = 64,
+                 repeats: int = 3, gguf: Path | None = None, equality: int = 48, log=print) -> dict:
+    model, tok = lm.model, lm.tokenizer
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    guide = HeadGuide.uniform(head, settings or TiltSettings())
+    threads = torch.get_num_threads()
+    result: dict = {"model": str(lm.path), "new_tokens": new_tokens, "torch_threads": threads,
+                    "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "lethe": {}}
+    for batch in (1, 8):
+        chosen = (prompts * batch)[:batch]
+        log(f"bench engine: Lethe and model.generate, batch {batch}")
+        runs = _timed_runs({"hf_generate": hf_generate(lm, chosen, new_tokens), "lethe": lambda: generate(model, tok, chosen, params),
+                            "lethe_t3": lambda: generate(model, tok, chosen, params, guide)}, repeats)
+        result["lethe"][f"batch_{batch}"] = {
+            **{f"{k}_tokens_per_s": round(batch * new_tokens / statistics.median(v), 1) for k, v in runs.items()},
+            "t3_over_no_head": _paired_ratio(runs, "lethe_t3", "lethe"),
+            "lethe_speedup_over_hf_generate": _paired_ratio(runs, "hf_generate", "lethe")}
+    sample = prompts[:equality]
+    stop = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    log(f"bench engine: greedy answers to {len(sample)} prompts (Lethe, model.generate)")
+    lethe_answers = [c.token_ids for c in generate_chunked(model, tok, sample, stop, batch_size=8)]
+    eos = sorted(eos_ids(model, tok))
+    hf_answers = []
+    for p in sample:  # one at a time: no padding, transformers' own reference path
+        enc = tok([p], return_tensors="pt", add_special_tokens=False).to(lm.device)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=tok.pad_token_id)
+        ids = out[0, enc["input_ids"].shape[1]:].tolist()
+        hf_answers.append(ids[:next((j for j, t in enumerate(ids) if t in eos), len(ids))])
+    result["equality_lethe_vs_hf_generate"] = _same(lethe_answers, hf_answers)
+    if gguf is None:
+        result["llama_cpp"] = {"skipped": "no --gguf file"}
+    else:
+        result["llama_cpp"] = _llamacpp(gguf, tok, prompts, sample, new_tokens, repeats, lethe_answers, log)
+    single = [r["tokens_per_s"] for r in result["llama_cpp"].get("single_stream", []) if "tokens_per_s" in r]
+    if single:
+        best = max(single)
+        result["llama_cpp_single_stream_best_tokens_per_s"] = best
+        result["bars"] = {
+            "batch_1_t3_over_llama_cpp (>= 0.5)": round(result["lethe"]["batch_1"]["lethe_t3_tokens_per_s"] / best, 3),
+            "batch_8_t3_over_llama_cpp_single_stream (>= 2)": round(
+                result["lethe"]["batch_8"]["lethe_t3_tokens_per_s"] / best, 3),
+            "t3_over_no_head batch 1 / 8 (<= 1.05)": [result["lethe"]["batch_1"]["t3_over_no_head"],
+                                                     result["lethe"]["batch_8"]["t3_over_no_head"]]}
+    return result
+
+
+def _llamacpp(gguf: Path, tok, prompts: list[str], sample: list[str], new_tokens: int, repeats: int,
+              lethe_answers: list[list[int]], log) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    out: dict = {"file": str(gguf), "single_stream": []}
+    for mode in LLAMA_MODES:
+        log(f"bench engine: llama.cpp, one stream, {mode}")
+        out["single_stream"].append({k: v for k, v in llamacpp_run(gguf, ids, new_tokens, mode, 1, repeats).items()
+                                     if k != "tokens"})
+    log("bench engine: llama.cpp, 8 sequences in one batch (plain), and its greedy answers")
+    sample_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in sample]
+    batched = llamacpp_run(gguf, sample_ids, new_tokens, "plain", 8, repeats, answers=True)
+    out["batch_8"] = {k: v for k, v in batched.items() if k not in ("tokens", "answers")}
+    if "answers" in batched:
+        out["equality_llama_cpp_vs_lethe_float32"] = _same(batched["answers"], lethe_answers)
+    return out
