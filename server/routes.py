@@ -118,7 +118,7 @@ def get_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tena
 
 @router.delete("/v1/datasets/{dataset_id}", status_code=204, tags=["datasets"])
 def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(tenant)):
-    """Delete a dataset and its file."""
+    """Delete a dataset, and its file unless another dataset holds the same content."""
     store = request.app.state.store
     owned(request, "datasets", tenant_id, dataset_id, "dataset")
     users = store.users_of(tenant_id, "dataset", dataset_id)
