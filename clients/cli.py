@@ -73,6 +73,10 @@ def cmd_serve(args) -> int:
         raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
                                    for err in e.errors())) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if settings.blob_url:
+        from lethe.server.blobs import check_blob_url
+
+        check_blob_url(settings.blob_url)  # a store that cannot be used fails now, in one line
     if args.ray:
         return _serve_on_ray(settings, args)
     if args.replicas is not None or args.ray_address is not None:

@@ -33,7 +33,7 @@ from lethe.server.quotas import QuotaExceeded, Quotas
 from lethe.server.protocol import (DetokenizeRequest, DetokenizeResponse, GenerateRequest, GenerateResponse, Health,
                              ProfileUsed, Ready, TokenizeRequest, TokenizeResponse, Usage, Version)
 from lethe.server.settings import Settings
-from lethe.server.storage import LEGACY, Store
+from lethe.server.storage import LEGACY, Store, StoredFileError
 
 log = logging.getLogger("lethe")
 
@@ -299,6 +299,12 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
     async def _quota(request: Request, exc: QuotaExceeded):
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
         return _error(request, 429, exc.message, headers)
+
+    @app.exception_handler(StoredFileError)
+    async def _stored_file(request: Request, exc: StoredFileError):
+        """A stored file missing or damaged: the server's fault, said so (and logged for the operator)."""
+        log.error("%s %s: %s", request.method, request.url.path, exc)
+        return _error(request, 500, str(exc))
 
     @app.exception_handler(QueueFull)
     async def _busy(request: Request, exc: QueueFull):

@@ -29,6 +29,7 @@ from pathlib import Path
 from lethe.heads.io import atomic_write, crash_point
 
 CHUNK = 1 << 20
+OWNER = ".lethe-owner"  # in the store's root: the id of the database whose rows name its blobs
 
 
 def sha256_file(path: Path) -> str:
@@ -41,6 +42,23 @@ def sha256_file(path: Path) -> str:
 
 class BlobMissing(FileNotFoundError):
     pass
+
+
+def check_blob_url(url: str) -> None:
+    """A ValueError naming `url` and the reason, unless a blob store can be opened there: an unknown protocol, a
+    missing fsspec package (s3fs for s3://), a path that cannot be a directory; and `memory://`, which would lose
+    every file when the process stops."""
+    import fsspec
+
+    if url.startswith("memory://"):
+        raise ValueError(f"blob store {url}: memory:// keeps files in this process only, and they would be lost when "
+                         "it stops; use a directory or an object store")
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+        fs.makedirs(root, exist_ok=True)
+    except Exception as e:  # fsspec and its filesystems raise many kinds
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"blob store {url}: {reason}") from None
 
 
 class BlobStore:
@@ -124,6 +142,34 @@ class BlobStore:
     def exists(self, digest: str) -> bool:
         key = self.key(digest)
         return Path(key).is_file() if self.local else self.fs.exists(key)
+
+    def age(self, digest: str) -> float:
+        """Seconds since the blob was written (0 where the store cannot say)."""
+        key = self.key(digest)
+        try:
+            modified = Path(key).stat().st_mtime if self.local else self.fs.modified(key).timestamp()
+        except (FileNotFoundError, NotImplementedError):
+            return 0.0
+        return time.time() - modified
+
+    def claim(self, owner: str) -> None:
+        """Mark the store as this database's (`owner`: the database's store id), or refuse one another database's
+        deployment uses: each would delete the files the other's rows name, as files no row of its own names."""
+        marker = f"{self.root}/{OWNER}"
+        try:
+            found = (Path(marker).read_text() if self.local else self.fs.cat_file(marker).decode()).strip()
+        except FileNotFoundError:
+            found = None
+        if found is None:
+            if self.local:
+                from lethe.heads.io import atomic_write_text
+
+                atomic_write_text(Path(marker), owner + "\n")
+            else:
+                self.fs.pipe_file(marker, (owner + "\n").encode())
+        elif found != owner:
+            raise ValueError(f"the blob store {self.url} belongs to another Lethe database (its {OWNER} says "
+                             f"{found}, this database is {owner}): give each deployment a blob store of its own")
 
     def delete(self, digest: str) -> None:
         key = self.key(digest)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from lethe.heads.t3.head import save_head
 from lethe.heads.io import crash_point
-from lethe.heads.records import read_jsonl
 from lethe.heads.t3.pipeline import quick_check, train_head
 from lethe.heads.t3.train import FitConfig
 from lethe.server.storage import Store, new_id
@@ -232,8 +231,7 @@ class JobRunner:
 
     def _inputs(self, job: dict) -> tuple[dict, list[dict], list[dict]]:
         params = json.loads(job["params"])
-        return (params, read_jsonl(self.store.file("datasets", params["forget"])),
-                read_jsonl(self.store.file("datasets", params["retain"])))
+        return params, self.store.records(params["forget"]), self.store.records(params["retain"])
 
     def _private(self):
         """The base model and tokenizer as copies of the job's own (`Engine.private_copy`): a job never holds a

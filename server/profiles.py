@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import BaseMismatch, HeadFileError, T3Head, load_head
 from lethe.heads.modelio import LoadedModel
-from lethe.server.storage import Store
+from lethe.server.storage import Store, StoredFileError
 
 log = logging.getLogger("lethe.profiles")
 
@@ -74,14 +74,17 @@ class AdapterCache:
 
         try:
             path = self.store.file("asu_weights", weights_id)
+        except StoredFileError:
+            raise
         except FileNotFoundError:  # deleted just now, by a request racing this one
             raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found") from None
         try:
             return load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers)
         except BaseMismatch as e:
-            raise ProfileError(409, "weights", self.store.public(str(e))) from None
-        except HeadFileError as e:
-            raise ProfileError(422, "weights", self.store.public(str(e))) from None
+            raise ProfileError(409, "weights", self.store.public(str(e).replace(str(path), "the file"))) from None
+        except HeadFileError as e:  # checked when it was stored (by this release): the stored copy is at fault
+            raise StoredFileError(f"the stored file of ASU weights {weights_id} cannot be used: "
+                                  f"{self.store.public(str(e).replace(str(path), 'the file'))}") from None
 
     def check(self, tenant_id: str, weights_id: str) -> None:
         """404 unless the tenant has these weights (for a spec that is stored, not used yet)."""
@@ -174,14 +177,17 @@ class HeadCache:
         cfg = self.lm.model.config
         try:
             path = self.store.file("heads", head_id)
+        except StoredFileError:
+            raise
         except FileNotFoundError:  # deleted just now, by a request racing this one
             raise ProfileError(404, "head", f"head {head_id!r} not found") from None
         try:
             head, info = load_head(path, self.lm.fingerprint, cfg.vocab_size, cfg.hidden_size)
         except BaseMismatch as e:
-            raise ProfileError(409, "head", self.store.public(str(e))) from None
-        except HeadFileError as e:
-            raise ProfileError(422, "head", self.store.public(str(e))) from None
+            raise ProfileError(409, "head", self.store.public(str(e).replace(str(path), "the file"))) from None
+        except HeadFileError as e:  # checked when it was stored (by this release): the stored copy is at fault
+            raise StoredFileError(f"the stored file of head {head_id} cannot be used: "
+                                  f"{self.store.public(str(e).replace(str(path), 'the file'))}") from None
         head.to(self.lm.device)
         with self._lock:
             self._heads[head_id] = (head, info.profile)

@@ -178,10 +178,15 @@ def job_dispatcher(settings: Settings):
     import ray
 
     gpus = settings.job_gpus or (1.0 if settings.device == "cuda" else 0.0)
-    task = ray.remote(run_job).options(num_cpus=settings.job_cpus, num_gpus=gpus, max_retries=0, name="lethe-job")
+    # max_calls=1: the task's process ends with the job, and the model it loaded goes with it
+    task = ray.remote(run_job).options(num_cpus=settings.job_cpus, num_gpus=gpus, max_retries=0, max_calls=1,
+                                       name="lethe-job")
 
     def dispatch(job: dict) -> str:
-        return ray.get(task.remote(settings, dict(job)))
+        try:
+            return ray.get(task.remote(settings, dict(job)))
+        except ray.exceptions.WorkerCrashedError:  # Ray's own text sends the reader to its log files
+            raise RuntimeError("its process died: killed, or out of memory") from None
 
     return dispatch
 

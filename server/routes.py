@@ -187,12 +187,10 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
 @router.post("/v1/eval", response_model=JobOut, status_code=202, tags=["eval"])
 def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that evaluates a profile on two datasets (TOFU metrics); the report is the job's metrics."""
-    from lethe.heads.records import read_jsonl
-
     store = request.app.state.store
     _check_datasets(request, tenant_id, body)
     for field in ("forget", "retain"):
-        if not all(all(k in r for k in TOFU_FIELDS) for r in read_jsonl(store.file("datasets", getattr(body, field)))):
+        if not all(all(k in r for k in TOFU_FIELDS) for r in store.records(getattr(body, field))):
             raise field_error(field, "evaluation needs TOFU records (question, answer, paraphrased_answer, "
                                      "perturbed_answer)")
     profile = body.profile.spec() if isinstance(body.profile, ProfileSpec) else body.profile

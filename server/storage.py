@@ -58,6 +58,8 @@ Table("profile_versions", METADATA, Column("tenant_id", Text, nullable=False), C
 Table("profiles", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
       Column("version", Integer, nullable=False), PrimaryKeyConstraint("tenant_id", "name"))
 SCHEMA_TABLE = Table("lethe_schema", METADATA, Column("version", Integer, nullable=False))
+# one row: this database's id, written into its blob store (`BlobStore.claim`) so two databases never share one
+Table("lethe_store", METADATA, Column("id", Text, primary_key=True))
 
 KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
 
@@ -115,6 +117,11 @@ def _new_key(tenant_id: str, now: float) -> tuple[str, tuple[str, tuple]]:
     key = KEY_PREFIX + secrets.token_urlsafe(24)
     return key, ("INSERT INTO api_keys (hash, tenant_id, created, id, prefix, last_used) VALUES (?, ?, ?, ?, ?, NULL)",
                  (hash_key(key), tenant_id, now, new_id("key"), key[:7]))
+
+
+class StoredFileError(Exception):
+    """A stored file (a dataset's, a head's, ASU weights') is missing from the blob store or damaged: the server's
+    storage is at fault, not the request (answered 500, naming the item, never a path)."""
 
 
 class Record(dict):
@@ -202,6 +209,9 @@ def upgrade(engine: Engine) -> int:
                 migrate(conn, ops)
         conn.execute(SCHEMA_TABLE.delete())
         conn.execute(SCHEMA_TABLE.insert().values(version=SCHEMA_VERSION))
+        # the database's id (under the migration lock: replicas starting together make one)
+        conn.execute(text("INSERT INTO lethe_store (id) SELECT :id WHERE NOT EXISTS (SELECT 1 FROM lethe_store)"),
+                     {"id": new_id("store")})
     return found
 
 
@@ -219,9 +229,15 @@ class Store:
         self.url = database_url(self.dir, url)
         self.engine = _connect(self.url)
         self.found_version = upgrade(self.engine)
+        self.id = self._store_id()
+        self.blobs.claim(self.id)
         self._lock = threading.RLock()
         self._blob_locks = [threading.Lock() for _ in range(64)]
         self._touched: dict[str, float] = {}  # key hash -> when last_used was last written (at most once a minute)
+
+    def _store_id(self) -> str:
+        with self.engine.connect() as conn:  # written once, by `upgrade`
+            return conn.execute(text("SELECT id FROM lethe_store")).scalar_one()
 
     @property
     def dialect(self) -> str:
@@ -349,12 +365,33 @@ class Store:
         return rows[0]["sha256"] if rows else None
 
     def file(self, table: str, item_id: str) -> Path:
-        """A local path to a dataset's, head's or ASU weights' file (FileNotFoundError when the row or its blob
-        is gone: deleted just now, by a request racing this one)."""
+        """A local path to a dataset's, head's or ASU weights' file: FileNotFoundError when the row is gone
+        (deleted just now, by a request racing this one), StoredFileError when the row is there and its blob is
+        missing or does not match its digest."""
+        from lethe.server.blobs import BlobMissing
+
+        kind = {"datasets": "dataset", "heads": "head", "asu_weights": "ASU weights"}[table]
         digest = self.digest(table, item_id)
         if digest is None:
-            raise FileNotFoundError(f"{table[:-1] if table != 'asu_weights' else 'ASU weights'} {item_id} is gone")
-        return self.blobs.path(digest)
+            raise FileNotFoundError(f"{kind} {item_id} is gone")
+        try:
+            return self.blobs.path(digest)
+        except BlobMissing:
+            raise StoredFileError(f"the stored file of {kind} {item_id} is missing from the blob store: an "
+                                  "operator must restore it") from None
+        except OSError as e:
+            raise StoredFileError(f"the stored file of {kind} {item_id} could not be read ({type(e).__name__}): "
+                                  "an operator must check the blob store") from None
+
+    def records(self, dataset_id: str) -> list[dict]:
+        """A dataset's records, as uploaded; StoredFileError if its stored file is missing or damaged."""
+        from lethe.heads.records import RecordError, read_jsonl
+
+        try:
+            return read_jsonl(self.file("datasets", dataset_id))
+        except (RecordError, UnicodeDecodeError) as e:
+            raise StoredFileError(f"the stored file of dataset {dataset_id} is damaged ({type(e).__name__}): an "
+                                  "operator must restore it") from None
 
     def referenced(self) -> set[str]:
         """The digests some row names."""
@@ -418,11 +455,12 @@ class Store:
             return True
 
     def clean_blobs(self, older_than: float) -> int:
-        """Remove blobs no row names (a crash between the put and the insert) and temporary files older than
-        `older_than` seconds; returns how many went."""
+        """Remove blobs no row names (a crash between the put and the insert) and temporary files, those older
+        than `older_than` seconds; returns how many went."""
         removed = self.blobs.clean(self.referenced(), older_than)
         for digest in self.blobs.digests() - self.referenced():
-            removed += self.release(digest)
+            if self.blobs.age(digest) >= older_than:
+                removed += self.release(digest)
         return removed
 
     def adopt_files(self) -> int:

@@ -176,3 +176,54 @@ def test_files_of_the_release_before_blobs_are_moved_into_the_store(tiny_lm, tin
         assert a.get("/v1/heads").json() == [head_row]
     assert {p.name for p in (data / "blobs").glob("??/*")} == {*datasets.values(), head_row["sha256"]}
     assert not any((data / folder).exists() for folder in ("datasets", "heads", "asu")), "the old folders are gone"
+
+
+def test_two_databases_never_share_one_blob_store(tmp_path):
+    """Each would take the other's files for files no row names, and delete them."""
+    shared = tmp_path / "blobs"
+    one = Store(tmp_path / "one", blob_url=str(shared))
+    with pytest.raises(ValueError, match="belongs to another Lethe database"):
+        Store(tmp_path / "two", blob_url=str(shared))
+    one.close()
+    Store(tmp_path / "one", blob_url=str(shared)).close()  # its own database opens it again
+
+
+def test_on_a_shared_database_only_old_unnamed_blobs_are_cleaned(tmp_path, database_url):
+    import os
+    import time
+
+    store = Store(tmp_path / "data", database_url)
+    young, old = (store.keep_file(data, lambda d: None) for data in (b"young", b"old"))
+    past = time.time() - 7200
+    os.utime(store.blobs.path(old), (past, past))
+    assert store.clean_blobs(3600) == 1 and store.blobs.digests() == {young}
+    assert store.clean_blobs(0) == 1 and store.blobs.digests() == set()
+    store.close()
+
+
+def test_a_missing_or_damaged_stored_file_is_the_servers_error_not_the_tenants(tiny_lm, tiny_records, tmp_path):
+    from lethe.heads.demo.corpus import split_by_author
+
+    forget, retain = split_by_author(tiny_records, 1)
+    prompt = question_prompt(forget[0]["question"])
+    data = tmp_path / "data"
+    with running_server(tiny_lm, data) as url:
+        a = new_tenant(url, "a")
+        head = _train(a, forget, retain)
+        a.put("/v1/profiles/p", json={"head": head})
+        key = a.headers["Authorization"]
+        datasets = {d["id"]: d["sha256"] for d in a.get("/v1/datasets").json()}
+        head_sha = a.get(f"/v1/heads/{head}").json()["sha256"]
+    (data / "blobs" / head_sha[:2] / head_sha).write_bytes(b"\0" * 1000)  # damaged on disk
+    forget_id = next(i for i in datasets)
+    (data / "blobs" / datasets[forget_id][:2] / datasets[forget_id]).unlink()  # lost
+    with running_server(tiny_lm, data) as url:
+        a = httpx.Client(base_url=url, headers={"Authorization": key}, timeout=60)
+        r = a.post("/generate", json={"prompt": prompt, "profile": "p"})
+        assert r.status_code == 500 and f"stored file of head {head} cannot be used" in r.json()["detail"], r.text
+        r = a.post("/v1/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["error"]["type"] != "invalid_request_error", r.text
+        r = a.post("/v1/eval", json={"forget": forget_id, "retain": forget_id, "profile": "base"})
+        assert r.status_code == 500 and "missing from the blob store" in r.json()["detail"], r.text
+        for text in (r.text, a.post("/generate", json={"prompt": prompt, "profile": "p"}).text):
+            assert str(data) not in text and "blobs" not in text, "no server path"

@@ -128,9 +128,10 @@ def test_weights_that_fail_to_attach_leave_every_other_row_exactly_as_before(ser
     r = client.post("/generate", json={"prompt": prompts[0], "profile": {"backend": "asu",
                                                                           "weights": good.json()["id"]}},
                     headers=alice)
-    assert r.status_code == 422 and "fit no module" in r.json()["detail"][0]["msg"]
+    # the server's stored copy is at fault, not the request: 500, saying what is wrong with it
+    assert r.status_code == 500 and "fit no module" in r.json()["detail"], r.text
     assert client.put("/v1/profiles/bad", json={"backend": "asu", "weights": good.json()["id"]},
-                      headers=alice).status_code == 422
+                      headers=alice).status_code == 500
     assert (_answers(client, prompts), _answers(client, prompts, bob)) == before
 
     # a valid file whose attach fails half-way (after peft has wrapped the model and added the layers)

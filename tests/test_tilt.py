@@ -180,3 +180,24 @@ def test_the_cpu_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("LETHE_FUSED_TILT", "0")
     assert not HeadGuide([]).fused
 
+
+
+def test_a_numba_cache_written_under_another_module_name_is_recompiled_not_fatal(tmp_path):
+    """A disk cache from before Lethe's packages were `lethe.*` names a module that no longer exists: loading it
+    failed every request with a head, until the cache was dropped. Now it is recompiled, with a warning."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba")
+    import lethe.heads.t3.fused as fused
+
+    env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    old_layout = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('old_fused', sys.argv[1]);"
+                  "m = importlib.util.module_from_spec(spec); sys.modules['old_fused'] = m; spec.loader.exec_module(m);"
+                  "m.warm_up()")
+    subprocess.run([sys.executable, "-c", old_layout, fused.__file__], env=env, check=True, timeout=300)
+    assert list(tmp_path.rglob("*.nbi")), "the old layout's cache was written"
+    now = subprocess.run([sys.executable, "-c", "from lethe.heads.t3 import fused; fused.warm_up(); print('ok')"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert now.returncode == 0 and now.stdout.strip() == "ok", now.stderr[-2000:]
+    assert "compiling it again" in now.stderr

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import math
 import os
+import pickle
 
 import numpy as np
 import torch
+
+log = logging.getLogger("lethe.fused")
 
 
 def enabled() -> bool:
@@ -64,8 +68,8 @@ class TiltKernel:
         if self._out is None or self._out.shape != logits.shape:
             self._out = torch.empty(logits.shape, dtype=torch.float32)
             self._out_np = self._out.numpy()
-        (_compiled or _kernel())(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
-                                 self._out_np, self.active)
+        _call(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings, self._out_np,
+              self.active)
         return self._out
 
 
@@ -79,8 +83,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    (_compiled or _kernel())(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 6), f32(0, 1),
-                             np.ones(0, np.bool_))
+    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 6), f32(0, 1),
+          np.ones(0, np.bool_))
 
 
 _compiled = None
@@ -94,6 +98,20 @@ def _kernel():
         # reassociation lets the dot products use vector instructions; infinities and NaN keep their meaning
         _compiled = njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})(_tilt_rows)
     return _compiled
+
+
+def _call(*args) -> None:
+    """Run the kernel. A disk cache numba cannot load (one written when this module had another name, as before
+    Lethe's packages were `lethe.*`: its pickled environment names a module that no longer exists) is dropped
+    and the kernel compiled afresh, rather than failing every request with a head."""
+    global _compiled
+    try:
+        (_compiled or _kernel())(*args)
+    except (ImportError, AttributeError, EOFError, pickle.UnpicklingError) as e:
+        log.warning("numba's cached T3 kernel could not be loaded (%s: %s): compiling it again", type(e).__name__, e)
+        _kernel()._cache.flush()
+        _compiled = None
+        _kernel()(*args)
 
 
 def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out, active_out):  # pragma: no cover
