@@ -179,8 +179,8 @@ def job_dispatcher(settings: Settings):
 
     gpus = settings.job_gpus or (1.0 if settings.device == "cuda" else 0.0)
     # max_calls=1: the task's process ends with the job, and the model it loaded goes with it
-    task = ray.remote(run_job).options(num_cpus=settings.job_cpus, num_gpus=gpus, max_retries=0, max_calls=1,
-                                       name="lethe-job")
+    task = ray.remote(max_calls=1)(run_job).options(num_cpus=settings.job_cpus, num_gpus=gpus, max_retries=0,
+                                                    name="lethe-job")
 
     def dispatch(job: dict) -> str:
         try:

@@ -33,6 +33,7 @@ class LlamaCpp:
         if not self.model:
             raise ValueError(f"llama.cpp could not load {path}")
         batch = 1 if mode == "token" else 512
+        sequences = 1 if mode == "token" else sequences  # llama.cpp asserts n_ubatch >= n_seq_max
         ctx = L.llama_context_default_params()
         ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, ctx.n_seq_max = n_ctx, batch, batch, sequences
         ctx.n_threads = ctx.n_threads_batch = threads
