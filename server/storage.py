@@ -22,6 +22,7 @@ import hashlib
 import json
 import re
 import secrets
+import shutil
 import threading
 import time
 import uuid
@@ -474,12 +475,17 @@ class Store:
                 continue
             for row in self.q(f"SELECT id FROM {table}"):
                 path = old / f"{row['id']}{suffix}"
-                try:
-                    size = path.stat().st_size
-                    self.keep_file(path, lambda digest: self.tx([(f"UPDATE {table} SET sha256 = ?, bytes = ? "
-                                                                  "WHERE id = ?", (digest, size, row["id"]))]))
-                except FileNotFoundError:
+                staged = self.blobs.staging()
+                try:  # a copy goes in; the old file goes only once its row names the blob (a failure loses nothing)
+                    shutil.copyfile(path, staged)
+                    size = staged.stat().st_size
+                    self.keep_file(staged, lambda digest: self.tx([(f"UPDATE {table} SET sha256 = ?, bytes = ? "
+                                                                    "WHERE id = ?", (digest, size, row["id"]))]))
+                except FileNotFoundError:  # another replica adopted it first
                     continue
+                finally:
+                    staged.unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
                 adopted += 1
         return adopted
 

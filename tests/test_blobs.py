@@ -227,3 +227,27 @@ def test_a_missing_or_damaged_stored_file_is_the_servers_error_not_the_tenants(t
         assert r.status_code == 500 and "missing from the blob store" in r.json()["detail"], r.text
         for text in (r.text, a.post("/generate", json={"prompt": prompt, "profile": "p"}).text):
             assert str(data) not in text and "blobs" not in text, "no server path"
+
+
+def test_a_failed_adoption_of_an_old_file_keeps_it_where_it_was(tmp_path, monkeypatch):
+    store = Store(tmp_path / "data")
+    tenant, _ = store.create_tenant("t")
+    store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)", ("ds_old", tenant, "d", 1, None, 3, 0.0))])
+    old = tmp_path / "data" / "datasets" / "ds_old.jsonl"
+    old.parent.mkdir()
+    old.write_text("{}\n")
+    real_tx = store.tx
+
+    def database_away(statements):
+        if statements[0][0].startswith("UPDATE datasets"):
+            raise sqlalchemy.exc.OperationalError("UPDATE", {}, Exception("the database went away"))
+        return real_tx(statements)
+
+    monkeypatch.setattr(store, "tx", database_away)
+    with pytest.raises(sqlalchemy.exc.OperationalError):
+        store.adopt_files()
+    assert old.read_text() == "{}\n" and store.blobs.digests() == set(), "nothing lost, nothing half-adopted"
+    monkeypatch.undo()
+    assert store.adopt_files() == 1 and not old.exists()
+    assert store.file("datasets", "ds_old").read_text() == "{}\n"
+    store.close()
