@@ -82,6 +82,7 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.ray_address is not None:
         raise UsageError("--replicas and --ray-address need --ray")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
+    _check_store(settings)
     lm = load_model(settings.model, settings.device, settings.dtype)
     if settings.chat_template is not None:  # a template that does not render fails here, before any key is made
         use_chat_template(lm.tokenizer, settings.chat_template)
@@ -109,8 +110,19 @@ def _serve_on_ray(settings, args) -> int:
         raise UsageError("--replicas and --threads-per-replica must be at least 1")
     check_database(settings.database_url)  # an unreachable database fails now, named, before Ray starts
     _listen(settings.host, settings.port).close()  # a busy port fails now, before Ray starts
+    _check_store(settings)
     serve_forever(settings, replicas, args.threads_per_replica, address=args.ray_address)
     return 0
+
+
+def _check_store(settings) -> None:
+    """Open the store once before the model loads: the database reachable and migrated, and a blob store of another
+    database (or of a newer copy of this one) refused in one line rather than in a traceback at start-up."""
+    from lethe.server.storage import Store, check_database
+
+    if settings.database_url:
+        check_database(settings.database_url)
+    Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache).close()
 
 
 def _listen(host: str, port: int):

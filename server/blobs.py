@@ -29,7 +29,7 @@ from pathlib import Path
 from lethe.heads.io import atomic_write, crash_point
 
 CHUNK = 1 << 20
-OWNER = ".lethe-owner"  # in the store's root: the id of the database whose rows name its blobs
+OWNER = ".lethe-owner"  # in the store's root: "<database id> <generation>" of the database whose rows name its blobs
 
 
 def sha256_file(path: Path) -> str:
@@ -143,33 +143,32 @@ class BlobStore:
         key = self.key(digest)
         return Path(key).is_file() if self.local else self.fs.exists(key)
 
-    def age(self, digest: str) -> float:
-        """Seconds since the blob was written (0 where the store cannot say)."""
-        key = self.key(digest)
-        try:
-            modified = Path(key).stat().st_mtime if self.local else self.fs.modified(key).timestamp()
-        except (FileNotFoundError, NotImplementedError):
-            return 0.0
-        return time.time() - modified
-
-    def claim(self, owner: str) -> None:
-        """Mark the store as this database's (`owner`: the database's store id), or refuse one another database's
-        deployment uses: each would delete the files the other's rows name, as files no row of its own names."""
+    def owner(self) -> tuple[str, int] | None:
+        """(database id, generation) from the store's marker, None if it has none yet."""
         marker = f"{self.root}/{OWNER}"
         try:
-            found = (Path(marker).read_text() if self.local else self.fs.cat_file(marker).decode()).strip()
+            text = Path(marker).read_text() if self.local else self.fs.cat_file(marker).decode()
         except FileNotFoundError:
-            found = None
-        if found is None:
-            if self.local:
-                from lethe.heads.io import atomic_write_text
+            return None
+        owner, _, generation = text.strip().partition(" ")
+        return owner, int(generation or 0)
 
-                atomic_write_text(Path(marker), owner + "\n")
-            else:
-                self.fs.pipe_file(marker, (owner + "\n").encode())
-        elif found != owner:
-            raise ValueError(f"the blob store {self.url} belongs to another Lethe database (its {OWNER} says "
-                             f"{found}, this database is {owner}): give each deployment a blob store of its own")
+    def set_owner(self, owner: str, generation: int, first: bool) -> None:
+        """Write the marker; `first`: it must not exist yet (an exclusive create, so of two databases claiming a
+        new store at once one gets FileExistsError; object stores have no exclusive create, and take the last)."""
+        marker, text = f"{self.root}/{OWNER}", f"{owner} {generation}\n"
+        if not self.local:
+            self.fs.pipe_file(marker, text.encode())
+        elif first:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            from lethe.heads.io import atomic_write_text
+
+            atomic_write_text(Path(marker), text)
 
     def delete(self, digest: str) -> None:
         key = self.key(digest)

@@ -59,8 +59,11 @@ Table("profile_versions", METADATA, Column("tenant_id", Text, nullable=False), C
 Table("profiles", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
       Column("version", Integer, nullable=False), PrimaryKeyConstraint("tenant_id", "name"))
 SCHEMA_TABLE = Table("lethe_schema", METADATA, Column("version", Integer, nullable=False))
-# one row: this database's id, written into its blob store (`BlobStore.claim`) so two databases never share one
-Table("lethe_store", METADATA, Column("id", Text, primary_key=True))
+# one row: this database's id and generation, written into its blob store (`Store._claim`): two databases, or two
+# copies of one, never use one store
+Table("lethe_store", METADATA, Column("id", Text, primary_key=True), Column("generation", Integer, nullable=False))
+# blobs being put whose row is not inserted yet: what a crash can leave unnamed, and all the start-up clean removes
+Table("pending_blobs", METADATA, Column("digest", Text, nullable=False), Column("created", Double, nullable=False))
 
 KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
 
@@ -211,8 +214,8 @@ def upgrade(engine: Engine) -> int:
         conn.execute(SCHEMA_TABLE.delete())
         conn.execute(SCHEMA_TABLE.insert().values(version=SCHEMA_VERSION))
         # the database's id (under the migration lock: replicas starting together make one)
-        conn.execute(text("INSERT INTO lethe_store (id) SELECT :id WHERE NOT EXISTS (SELECT 1 FROM lethe_store)"),
-                     {"id": new_id("store")})
+        conn.execute(text("INSERT INTO lethe_store (id, generation) SELECT :id, 0 "
+                          "WHERE NOT EXISTS (SELECT 1 FROM lethe_store)"), {"id": new_id("store")})
     return found
 
 
@@ -230,15 +233,35 @@ class Store:
         self.url = database_url(self.dir, url)
         self.engine = _connect(self.url)
         self.found_version = upgrade(self.engine)
-        self.id = self._store_id()
-        self.blobs.claim(self.id)
+        self.id = self._claim()
         self._lock = threading.RLock()
         self._blob_locks = [threading.Lock() for _ in range(64)]
         self._touched: dict[str, float] = {}  # key hash -> when last_used was last written (at most once a minute)
 
-    def _store_id(self) -> str:
-        with self.engine.connect() as conn:  # written once, by `upgrade`
-            return conn.execute(text("SELECT id FROM lethe_store")).scalar_one()
+    def _claim(self) -> str:
+        """Take the blob store for this database, or refuse it (ValueError): one another database uses (each would
+        delete the files only the other's rows name), or one a newer copy of this database uses (a backup or a
+        copy started after the original moved on). Every start raises the generation in the database and then in
+        the store's marker, so the older of two copies is the one refused. Returns the database's id."""
+        with self.engine.begin() as conn:
+            if self.dialect == "postgresql":  # replicas starting together take turns
+                conn.execute(text("SELECT pg_advisory_xact_lock(7136)"))
+            mine, generation = conn.execute(text("SELECT id, generation FROM lethe_store")).one()
+            found = self.blobs.owner()
+            if found is not None and found[0] != mine:
+                raise ValueError(f"the blob store {self.blobs.url} belongs to another Lethe database ({found[0]}; "
+                                 f"this one is {mine}): give each deployment a blob store of its own")
+            if found is not None and found[1] > generation:
+                raise ValueError(f"this database is an older copy of the one using the blob store {self.blobs.url} "
+                                 f"(generation {generation}, the store's {found[1]}): a restored backup or a copied "
+                                 "data directory needs a copy of the blob store of its own")
+            generation = max(generation, found[1] if found else 0) + 1
+            conn.execute(text("UPDATE lethe_store SET generation = :g"), {"g": generation})
+        try:
+            self.blobs.set_owner(mine, generation, first=found is None)
+        except FileExistsError:  # another database claimed this new store at the same moment
+            return self._claim()
+        return mine
 
     @property
     def dialect(self) -> str:
@@ -433,6 +456,7 @@ class Store:
             staged, digest = Path(source), sha256_file(source)
         try:
             with self.holding(digest):
+                self.tx([("INSERT INTO pending_blobs VALUES (?, ?)", (digest, time.time()))])
                 self.blobs.put(staged, digest)
                 try:
                     insert(digest)
@@ -440,6 +464,8 @@ class Store:
                     if not self._named(digest):
                         self.blobs.delete(digest)
                     raise
+                finally:
+                    self.tx([("DELETE FROM pending_blobs WHERE digest = ?", (digest,))])
         finally:
             staged.unlink(missing_ok=True)
         return digest
@@ -456,12 +482,14 @@ class Store:
             return True
 
     def clean_blobs(self, older_than: float) -> int:
-        """Remove blobs no row names (a crash between the put and the insert) and temporary files, those older
-        than `older_than` seconds; returns how many went."""
+        """Remove what a crash left: blobs this database was putting when it died, if no row names them (only
+        those: a blob the database never wrote, another deployment's or a newer copy's, is never touched), and
+        temporary files older than `older_than` seconds. Returns how many went."""
         removed = self.blobs.clean(self.referenced(), older_than)
-        for digest in self.blobs.digests() - self.referenced():
-            if self.blobs.age(digest) >= older_than:
-                removed += self.release(digest)
+        cutoff = time.time() - older_than
+        for row in self.q("SELECT DISTINCT digest FROM pending_blobs WHERE created <= ?", cutoff):
+            removed += self.release(row["digest"])
+            self.tx([("DELETE FROM pending_blobs WHERE digest = ? AND created <= ?", (row["digest"], cutoff))])
         return removed
 
     def adopt_files(self) -> int:

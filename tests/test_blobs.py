@@ -188,16 +188,55 @@ def test_two_databases_never_share_one_blob_store(tmp_path):
     Store(tmp_path / "one", blob_url=str(shared)).close()  # its own database opens it again
 
 
-def test_on_a_shared_database_only_old_unnamed_blobs_are_cleaned(tmp_path, database_url):
-    import os
-    import time
+def test_an_older_copy_of_a_database_is_refused_the_store_the_newer_one_uses(tmp_path):
+    """A data directory copied (a backup) and started on the same blob store after the original moved on would
+    take the original's newer files for files no row names."""
+    import shutil
 
+    shared = str(tmp_path / "blobs")
+    Store(tmp_path / "original", blob_url=shared).close()
+    shutil.copytree(tmp_path / "original", tmp_path / "backup")
+    Store(tmp_path / "original", blob_url=shared).close()  # the original starts again: a newer generation
+    with pytest.raises(ValueError, match="older copy"):
+        Store(tmp_path / "backup", blob_url=shared)
+    Store(tmp_path / "original", blob_url=shared).close()
+
+
+def test_of_two_databases_claiming_a_new_store_at_once_exactly_one_gets_it(tmp_path):
+    for trial in range(5):
+        shared, results = str(tmp_path / f"blobs{trial}"), []
+        barrier = threading.Barrier(2)
+
+        def start(name: str) -> None:
+            barrier.wait()
+            try:
+                Store(tmp_path / f"{name}{trial}", blob_url=shared).close()
+                results.append("ok")
+            except ValueError as e:
+                results.append(str(e))
+
+        threads = [threading.Thread(target=start, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results)[0] == "ok" and "another Lethe database" in sorted(results)[1], results
+
+
+def test_the_start_up_clean_removes_what_a_crash_left_and_never_a_file_it_did_not_write(tmp_path, database_url):
     store = Store(tmp_path / "data", database_url)
-    young, old = (store.keep_file(data, lambda d: None) for data in (b"young", b"old"))
-    past = time.time() - 7200
-    os.utime(store.blobs.path(old), (past, past))
-    assert store.clean_blobs(3600) == 1 and store.blobs.digests() == {young}
-    assert store.clean_blobs(0) == 1 and store.blobs.digests() == set()
+    staged = store.blobs.staging()
+    staged.write_bytes(b"another deployment's, or a newer copy's")
+    foreign = store.blobs.put(staged)
+    crashed = hashlib.sha256(b"put, then the process died").hexdigest()  # as keep_file leaves it when killed
+    store.tx([("INSERT INTO pending_blobs VALUES (?, ?)", (crashed, 0.0))])
+    staged = store.blobs.staging()
+    staged.write_bytes(b"put, then the process died")
+    store.blobs.put(staged)
+    named = store.keep_file(b"named", lambda d: store.tx([("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                                            ("ds_1", "ten_x", "d", 1, d, 5, 0.0))]))
+    assert store.clean_blobs(3600) == 1 and store.blobs.digests() == {foreign, named}
+    assert not store.q("SELECT digest FROM pending_blobs")
     store.close()
 
 
