@@ -14,7 +14,8 @@ into this replica's cache (`LETHE_BLOB_CACHE`), checked against their digest, an
 Several rows (even of different tenants) may point at one blob, so a blob goes only when no row points at it.
 `Store.holding(digest)` makes "put the blob, insert its row" and "see no row names it, delete the blob" exclusive
 (a lock in this process, and a PostgreSQL advisory lock between replicas), so a delete never removes a blob a
-row is being added for.
+row is being added for. A store belongs to one database (`Store._claim`: its `.lethe-owner` marker holds the
+database's id and a generation each start raises), since a database deletes the blobs its own rows stop naming.
 """
 
 from __future__ import annotations

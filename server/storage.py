@@ -12,7 +12,8 @@ Layout of the data directory:
     blob-cache/         this replica's copies of a remote blob store's files
 A row names its file by sha256 (`datasets.sha256`, `heads.sha256`, `asu_weights.sha256`) and is inserted only
 once the file is stored whole. Releases before blobs kept `datasets/<id>.jsonl`, `heads/<id>.safetensors` and
-`asu/<id>.safetensors`; `adopt_files` moves them into the blob store at start-up.
+`asu/<id>.safetensors`; `adopt_files` copies them into the blob store at start-up, removing each old file once
+its row names the blob.
 """
 
 from __future__ import annotations
