@@ -73,7 +73,9 @@ def ray_server(settings, replicas: int):
         del ray
 
 
-ROLES = (("replicas", ("lethe-replica", "lethe.clients.cli serve")),  # the plain server counts as the one replica ("ray proxy and router", ("ProxyActor", "lethe-router", "ServeController")),
+# (role, marks in a process's command line), the first match wins; the plain server counts as the one replica
+ROLES = (("replicas", ("lethe-replica", "lethe.clients.cli serve")),
+         ("ray proxy and router", ("ProxyActor", "lethe-router", "ServeController")),
          ("ray other", ("raylet", "gcs_server", "ray::", "ray/", "dashboard", "runtime_env")),
          ("postgresql", ("postgres",)))
 

@@ -241,3 +241,21 @@ def test_the_router_bounds_bodies_as_the_one_process_server_does(cluster):
         answer = sock.recv(4096).decode()
     assert answer.startswith("HTTP/1.1 408"), answer[:200]
     assert time.perf_counter() - started < 20
+
+
+def test_bench_scale_tells_each_process_role_apart():
+    """`lethe bench scale`'s CPU table: each kind of process under its own role (a line that swallowed the proxy's
+    role once counted it among Ray's other processes)."""
+    from types import SimpleNamespace
+
+    from lethe.server.scale import _role
+
+    def proc(line: str):
+        return SimpleNamespace(pid=1, cmdline=lambda: line.split(), name=lambda: line)
+
+    lines = {"ray::ServeReplica:lethe:lethe-replica.handle": "replicas",
+             "python -m lethe.clients.cli serve --port 1": "replicas",
+             "ray::ProxyActor": "ray proxy and router", "ray::ServeReplica:lethe:lethe-router": "ray proxy and router",
+             "ray::ServeController": "ray proxy and router", "ray/core/src/ray/raylet/raylet": "ray other",
+             "postgres: lethe lethe 127.0.0.1 idle": "postgresql", "bash": "other"}
+    assert {line: _role(proc(line), me=0) for line in lines} == lines
