@@ -45,7 +45,8 @@ def running_server(lm, data_dir, **overrides):
 
 
 def new_tenant(url: str, name: str) -> httpx.Client:
-    r = httpx.post(url + "/admin/tenants", json={"name": name}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    r = httpx.post(url + "/admin/tenants", json={"name": name}, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                   timeout=60)
     r.raise_for_status()
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {r.json()['api_key']}"}, timeout=60)
 
@@ -67,6 +68,25 @@ def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: 
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(deployment(settings, replicas, threads=1, env=env), name="lethe", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_replicas(url, replicas)
+        yield url
     finally:
         shutdown_local_ray()
+
+
+def _wait_for_replicas(url: str, replicas: int, timeout: float = 180) -> None:
+    """Until every replica has answered /readyz: Ray reports a replica healthy as its app starts (model, store,
+    the compiled kernel), so a first request may otherwise wait for that start on a busy machine."""
+    seen: set[str] = set()
+    deadline = time.time() + timeout
+    while len(seen) < replicas and time.time() < deadline:
+        try:
+            r = httpx.get(url + "/readyz", timeout=30)
+            if r.status_code == 200:
+                seen.add(r.headers.get("x-lethe-replica", ""))
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    if len(seen) < replicas:
+        raise RuntimeError(f"{replicas - len(seen)} of {replicas} replicas never answered /readyz")
