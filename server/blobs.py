@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from lethe.heads.io import atomic_write, crash_point
+from lethe.heads.io import atomic_write, atomic_write_text, crash_point
 
 CHUNK = 1 << 20
 OWNER = ".lethe-owner"  # in the store's root: "<database id> <generation>" of the database whose rows name its blobs
@@ -167,8 +167,6 @@ class BlobStore:
                 f.flush()
                 os.fsync(f.fileno())
         else:
-            from lethe.heads.io import atomic_write_text
-
             atomic_write_text(Path(marker), text)
 
     def delete(self, digest: str) -> None:

@@ -13,6 +13,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import BaseMismatch, HeadFileError, T3Head, load_head
@@ -26,6 +28,26 @@ class ProfileError(Exception):
     def __init__(self, status: int, field: str, message: str):
         super().__init__(message)
         self.status, self.field, self.message = status, field, message
+
+
+def load_stored(store: Store, table: str, item_id: str, param: str, kind: str, load: Callable[[Path], Any]):
+    """`load(path)` on a stored head or ASU weights file: 404 when its row went just now (deleted by a request
+    racing this one), 409 when it was made for another base model, StoredFileError when the stored copy is at
+    fault (missing, or failing the checks it passed when it was stored). Messages name the file, never its path."""
+    try:
+        path = store.file(table, item_id)
+    except FileNotFoundError:
+        raise ProfileError(404, param, f"{kind} {item_id!r} not found") from None
+
+    def public(e: Exception) -> str:
+        return store.public(str(e).replace(str(path), "the file"))
+
+    try:
+        return load(path)
+    except BaseMismatch as e:
+        raise ProfileError(409, param, public(e)) from None
+    except HeadFileError as e:
+        raise StoredFileError(f"the stored file of {kind} {item_id} cannot be used: {public(e)}") from None
 
 
 @dataclass(frozen=True)
@@ -72,19 +94,8 @@ class AdapterCache:
         """(tensors, info) of stored weights, checked against this model; ProfileError otherwise."""
         from lethe.heads.asu.weights import load_asu
 
-        try:
-            path = self.store.file("asu_weights", weights_id)
-        except StoredFileError:
-            raise
-        except FileNotFoundError:  # deleted just now, by a request racing this one
-            raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found") from None
-        try:
-            return load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers)
-        except BaseMismatch as e:
-            raise ProfileError(409, "weights", self.store.public(str(e).replace(str(path), "the file"))) from None
-        except HeadFileError as e:  # checked when it was stored (by this release): the stored copy is at fault
-            raise StoredFileError(f"the stored file of ASU weights {weights_id} cannot be used: "
-                                  f"{self.store.public(str(e).replace(str(path), 'the file'))}") from None
+        return load_stored(self.store, "asu_weights", weights_id, "weights", "ASU weights",
+                           lambda path: load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers))
 
     def check(self, tenant_id: str, weights_id: str) -> None:
         """404 unless the tenant has these weights (for a spec that is stored, not used yet)."""
@@ -175,19 +186,8 @@ class HeadCache:
                 self._heads.move_to_end(head_id)
                 return self._heads[head_id]
         cfg = self.lm.model.config
-        try:
-            path = self.store.file("heads", head_id)
-        except StoredFileError:
-            raise
-        except FileNotFoundError:  # deleted just now, by a request racing this one
-            raise ProfileError(404, "head", f"head {head_id!r} not found") from None
-        try:
-            head, info = load_head(path, self.lm.fingerprint, cfg.vocab_size, cfg.hidden_size)
-        except BaseMismatch as e:
-            raise ProfileError(409, "head", self.store.public(str(e).replace(str(path), "the file"))) from None
-        except HeadFileError as e:  # checked when it was stored (by this release): the stored copy is at fault
-            raise StoredFileError(f"the stored file of head {head_id} cannot be used: "
-                                  f"{self.store.public(str(e).replace(str(path), 'the file'))}") from None
+        head, info = load_stored(self.store, "heads", head_id, "head", "head",
+                                 lambda path: load_head(path, self.lm.fingerprint, cfg.vocab_size, cfg.hidden_size))
         head.to(self.lm.device)
         with self._lock:
             self._heads[head_id] = (head, info.profile)

@@ -98,7 +98,7 @@ def _jobs_gain_heartbeat(conn: Connection, ops) -> None:
 
 def _files_gain_digests(conn: Connection, ops) -> None:
     """3: heads and ASU weights name their file by sha256, as datasets did, so files live in a content-addressed
-    blob store (`Store.adopt_files` moves the files themselves, which needs the store, at start-up)."""
+    blob store (`Store.adopt_files` copies the files themselves in, which needs the store, at start-up)."""
     for table in ("heads", "asu_weights"):
         _add_columns(conn, ops, table, Column("sha256", Text))
 
@@ -494,9 +494,9 @@ class Store:
         return removed
 
     def adopt_files(self) -> int:
-        """Move the files of a release before blobs (`datasets/<id>.jsonl`, ...) into the blob store and name
-        them in their rows; returns how many. Replicas starting together may race: a file another one moved
-        is skipped."""
+        """Copy the files of a release before blobs (`datasets/<id>.jsonl`, ...) into the blob store, name them
+        in their rows, then remove the old files; returns how many. Replicas starting together may race: a file
+        another one adopted first is skipped."""
         adopted = 0
         for table, (folder, suffix) in LEGACY.items():
             old = self.dir / folder
