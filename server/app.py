@@ -220,9 +220,11 @@ def use_chat_template(tokenizer, path: Path) -> None:
         raise ValueError(f"chat template {path}: {type(e).__name__}: {e}") from None
 
 
-def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, dispatch_jobs=None) -> FastAPI:
+def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, dispatch_jobs=None,
+               decoder=None) -> FastAPI:
     """The server. `dispatch_jobs(job)`, if given, runs each claimed job elsewhere (on Ray Serve, a Ray task of its
-    own: `ray_serve.job_dispatcher`); else jobs run on this process's job thread."""
+    own: `ray_serve.job_dispatcher`); else jobs run on this process's job thread. `decoder`: the llama.cpp model
+    for `settings.engine` llamacpp, if already open (else it is opened here)."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -241,8 +243,13 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
         if settings.chat_template is not None:  # before the engine copies the tokenizer
             use_chat_template(model.tokenizer, Path(settings.chat_template))
         app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics()
+        fast = decoder
+        if settings.engine == "llamacpp" and fast is None:
+            from lethe.heads.decoding.llamacpp import open_gguf
+
+            fast = open_gguf(model, settings.gguf, settings.max_batch_size, settings.max_model_len)
         app.state.engine = Engine(model, settings.max_batch_size, settings.max_queue, app.state.metrics,
-                                  settings.max_model_len)
+                                  settings.max_model_len, fast)
         app.state.heads = HeadCache(store, model, settings.head_cache_size)
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
         app.state.quotas = Quotas(store, settings)

@@ -60,8 +60,10 @@ class Pending:
 
 class Engine:
     def __init__(self, lm: LoadedModel, max_batch_size: int = 16, max_queue: int = 256, metrics=None,
-                 max_model_len: int | None = None):
-        self.lm = lm
+                 max_model_len: int | None = None, decoder=None):
+        """`decoder`: what decodes instead of `lm.model` (a `heads.decoding.llamacpp.LlamaCppModel`); jobs and
+        the tokenizer still use `lm`."""
+        self.lm, self.decoder = lm, decoder
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.metrics = metrics
@@ -82,7 +84,8 @@ class Engine:
     @property
     def context_length(self) -> int:
         """Prompt plus new tokens at most: the model's context, or less where the operator set max_model_len."""
-        own = int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
+        own = self.decoder.context if self.decoder is not None else \
+            int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
         return own if self.max_model_len is None else min(own, self.max_model_len)
 
     def count_tokens(self, text: str | list[int]) -> int:
@@ -141,7 +144,7 @@ class Engine:
 
         self.lm = replace(self.lm, model=model)
         if self._batch is not None:
-            self._batch.model = model
+            self._batch.model = self._batch.runner.model = model
             if self._batch.adapters is None and _is_peft(model):
                 self._batch.adapters = ["__base__"] * len(self._batch.rows)
 
@@ -157,6 +160,8 @@ class Engine:
     def close(self) -> None:
         self.queue.put(None)
         self._thread.join(timeout=30)
+        if self.decoder is not None and not self._thread.is_alive():
+            self.decoder.close()
 
     def _take(self, block: bool, room: int) -> list[Pending] | None:
         """Up to `room` waiting requests (waiting for the first when `block`); None when told to stop."""
@@ -217,12 +222,14 @@ class Engine:
                         active += new
                     else:  # this model's cache cannot be merged: finish the running batch first
                         self._drain(batch, active)
+                        batch.close()
                         batch, active = joined, new
                 self._batch = batch
                 if batch is None:
                     continue
                 self._step(batch, active)
                 if batch.done:
+                    batch.close()
                     batch, active, self._batch = None, [], None
                 else:
                     active = [active[i] for i in batch.compact()]
@@ -231,6 +238,9 @@ class Engine:
                 for pending in active + new:
                     if not pending.future.done():
                         pending.future.set_exception(e)
+                for failed in (batch, joined):
+                    if failed is not None:
+                        failed.close()
                 batch, active, self._batch = None, [], None
         for pending in active:
             if not pending.future.done():
@@ -252,7 +262,7 @@ class Engine:
         started = []
         for pending in group:
             try:
-                self._start([pending])
+                self._start([pending]).close()
                 started.append(pending)
             except Exception as e:
                 fail(pending, e)
@@ -264,8 +274,8 @@ class Engine:
             self._fresh.update((id(p), p) for p in group)
         guide = HeadGuide([p.row for p in group]) if any(p.row for p in group) else None
         adapters = [p.adapter or "__base__" for p in group] if _is_peft(self.lm.model) else None
-        return Batch(self.lm.model, self.tokenizer, [p.prompt for p in group], [p.params for p in group], guide,
-                     adapters)
+        return Batch(self.decoder or self.lm.model, self.tokenizer, [p.prompt for p in group],
+                     [p.params for p in group], guide, adapters)
 
     def _first_tokens(self, active: list[Pending]) -> None:
         """Time to first token for the fresh rows that were just stepped (their first step chose their first

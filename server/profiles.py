@@ -98,7 +98,11 @@ class AdapterCache:
                            lambda path: load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers))
 
     def check(self, tenant_id: str, weights_id: str) -> None:
-        """404 unless the tenant has these weights (for a spec that is stored, not used yet)."""
+        """404 unless the tenant has these weights (for a spec that is stored, not used yet); 422 where this
+        server's engine cannot decode with them."""
+        if self.engine.decoder is not None:
+            raise ProfileError(422, "backend", "this server decodes with llama.cpp (engine llamacpp), which does not "
+                                               "serve ASU adapters; use a T3 head, or a server with engine torch")
         if self.store.get("asu_weights", tenant_id, weights_id) is None:
             raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, FilePath
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -57,6 +58,12 @@ class Settings(BaseSettings):
                                           description="A name for the base model on the OpenAI routes, beside `base`.")
     chat_template: FilePath | None = Field(None, description="A Jinja chat template file, used instead of the "
                                                          "tokenizer's.")
+    engine: Literal["torch", "llamacpp"] = Field("torch", description="What decodes: `torch` (transformers, the "
+                                                                  "model as loaded) or `llamacpp` (llama.cpp on the "
+                                                                  "GGUF file: its quantized weights, several times "
+                                                                  "faster on a CPU; no ASU adapters).")
+    gguf: FilePath | None = Field(None, description="The GGUF file the llama.cpp engine decodes (default: the model, "
+                                                    "when it is a GGUF file).")
 
 
 def read_config(path: Path) -> dict:

@@ -103,6 +103,75 @@ def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.T
     return forward_last_hidden(model, tokens[:, None], attention_mask, positions[:, None], cache)[:, 0]
 
 
+class TorchRows:
+    """The model side of a batch on a transformers model: the KV cache, attention mask and positions of the rows,
+    and their last hidden states (the next-token logits come from these). Built by prefilling the prompts;
+    `pooled_sum`, `count` and `prompt_logits` (per row, a function from a span of its prompt's positions to their
+    logits when asked, else None) are the prefill's results. Run under the batch's adapters (`Batch._adapters`).
+    The llama.cpp backend's counterpart is `heads.decoding.llamacpp.LlamaRows`."""
+
+    def __init__(self, model, prompts: list[list[int]], keep_prompt_logits: list[bool], pad: int):
+        self.model = model
+        input_ids, self.attention_mask = left_padded(prompts, pad, next(model.parameters()).device)
+        self.cache = DynamicCache(config=model.config)
+        self.last_hidden, self.pooled_sum, self.count, hidden = prefill(model, input_ids, self.attention_mask,
+                                                                       self.cache)
+        self.positions = self.count - 1
+        lm_head, width = model.get_output_embeddings(), hidden.size(1)
+        self.prompt_logits = [  # per row: (its logits at a span of its prompt, its prompt's hidden states)
+            ((lambda span, h=hidden[i, width - len(p):]: lm_head(h[span]).float()), hidden[i, width - len(p):])
+            if keep else None for i, (p, keep) in enumerate(zip(prompts, keep_prompt_logits))]
+
+    def logits(self) -> torch.Tensor:
+        return next_logits(self.model, self.last_hidden)
+
+    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], 1)
+        self.positions = self.positions + 1
+        self.last_hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
+        return self.last_hidden
+
+    def can_merge(self) -> bool:
+        """Whether rows can join: every cache layer is a plain growing one."""
+        from transformers.cache_utils import DynamicLayer
+
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def merge(self, other: "TorchRows") -> None:
+        """Add `other`'s rows; both caches are left-padded to one length."""
+        width = max(self.attention_mask.size(1), other.attention_mask.size(1))
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.size(dim)
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)])
+            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)])
+        self.attention_mask = torch.cat([left_pad(self.attention_mask, 1), left_pad(other.attention_mask, 1)])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.last_hidden = torch.cat([self.last_hidden, other.last_hidden])
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep rows `keep` (and no padding they do not need)."""
+        idx = torch.tensor(keep, device=self.attention_mask.device, dtype=torch.long)
+        mask = self.attention_mask[idx]
+        used = mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else 0
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, start:]
+            layer.values = layer.values[idx, :, start:]
+        self.attention_mask = mask[:, start:]
+        self.positions, self.last_hidden = self.positions[idx], self.last_hidden[idx]
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class Row:
     params: SamplingParams
@@ -137,24 +206,27 @@ class Batch:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
         self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
         self.eos = eos_ids(model, tokenizer)
-        device = next(model.parameters()).device
+        llama = hasattr(model, "start_rows")  # a `heads.decoding.llamacpp.LlamaCppModel`
+        if llama and adapters is not None and any(a != "__base__" for a in adapters):
+            raise ValueError("the llama.cpp engine does not serve ASU adapters")
+        device = model.device if llama else next(model.parameters()).device
         encoded = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False)["input_ids"]
                    for p in prompts]
         if min(len(p) for p in encoded) == 0:  # no position to predict from
             raise ValueError("a prompt encodes to no tokens")
-        input_ids, self.attention_mask = left_padded(encoded, tokenizer.pad_token_id or 0, device)
         self.rows = [Row(p, len(ids), make_generator(p.seed, device), prompt_ids=ids) for p, ids in zip(params, encoded)]
         self.temperature = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
         self.top_k = torch.tensor([p.top_k for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
         self.min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
-        self.cache = DynamicCache(config=model.config)
+        scored = [p.prompt_logprobs is not None for p in params]
         with torch.inference_mode(), self._adapters():
-            last, self.pooled_sum, count, hidden = prefill(model, input_ids, self.attention_mask, self.cache)
-            self._score_prompts(hidden)
-        self.positions = count - 1
-        self.count = count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
-        self._last_hidden = last
+            self.runner = model.start_rows(encoded, scored) if llama else \
+                TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)
+            self.pooled_sum = self.runner.pooled_sum
+            self._score_prompts(self.runner.prompt_logits)
+        self.runner.prompt_logits = None  # what they held (every prompt position's states) is not needed again
+        self.count = self.runner.count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
         # per-row work a step does only when some row asks for it (nothing added to the others' steps)
         self._min_tokens = any(p.min_new_tokens for p in params)
         self._logging = any(p.logprobs is not None for p in params)
@@ -166,18 +238,16 @@ class Batch:
                 row.logprobs = []
                 row.untilted_logprobs = [] if row.params.untilted_logprobs else None
 
-    def _score_prompts(self, hidden: torch.Tensor) -> None:
-        """The prompt log-probabilities the rows ask for, from the prefill's hidden states (B, L, d)."""
-        lm_head = self.model.get_output_embeddings()
+    def _score_prompts(self, prompt_logits: list) -> None:
+        """The prompt log-probabilities the rows ask for, from the prefill (`TorchRows.prompt_logits`)."""
         for i, row in enumerate(self.rows):
             if row.params.prompt_logprobs is None:
                 continue
-            ids = torch.tensor(row.prompt_ids, device=hidden.device)
+            ids = torch.tensor(row.prompt_ids)
             entry = self._head_of(i)
             guided = None if entry is None else (lambda logits, pooled, e=entry: whole_vocabulary(*e, logits, pooled))
             row.prompt_logprobs, row.untilted_prompt_logprobs = prompt_logprobs(
-                lm_head, hidden[i, hidden.size(1) - len(ids):], ids, row.params.prompt_logprobs, guided,
-                row.params.untilted_logprobs)
+                *prompt_logits[i], ids, row.params.prompt_logprobs, guided, row.params.untilted_logprobs)
 
     def _head_of(self, i: int):
         """Row i's (head, settings), when its guide has per-row heads (None: no head, or not known)."""
@@ -205,7 +275,7 @@ class Batch:
 
         What is per row (the guide's head and settings, sampling, detokenising) fails per row: a row that
         raises there finishes with reason "error" and its exception in `Row.error`; the others go on."""
-        logits = next_logits(self.model, self._last_hidden)
+        logits = self.runner.logits()
         untilted = [i for i, r in enumerate(self.rows) if r.untilted_logprobs is not None and not r.finish_reason] \
             if self._logging else []
         base = logits[untilted] if untilted else None  # a copy: the guide may write into its buffers
@@ -230,13 +300,10 @@ class Batch:
                 except Exception as e:
                     self.fail(i, e)
         if not self.done:
-            self.attention_mask = torch.cat([self.attention_mask, torch.ones_like(self.attention_mask[:, :1])], 1)
-            self.positions = self.positions + 1
             with self._adapters():
-                hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
+                hidden = self.runner.feed(tokens)
             self.pooled_sum += hidden.float()
             self.count = self.count + 1
-            self._last_hidden = hidden
         return emitted
 
     def _hold_eos(self, logits: torch.Tensor) -> torch.Tensor:
@@ -352,29 +419,14 @@ class Batch:
     # Continuous batching: rows join a running batch and leave it when they finish.
 
     def can_merge(self) -> bool:
-        """Whether rows can join: every cache layer is a plain growing one, and the guide is per-row."""
-        from transformers.cache_utils import DynamicLayer
-
-        plain = all(type(layer) is DynamicLayer for layer in self.cache.layers)
+        """Whether rows can join: the model side allows it (a plain growing cache), and the guide is per-row."""
+        plain = getattr(self.runner, "can_merge", lambda: True)()
         return plain and (self.guide is None or hasattr(self.guide, "rows") and getattr(self.guide, "same", None) is None)
 
     def merge(self, other: "Batch") -> None:
-        """Add `other`'s rows (freshly prefilled) to this batch; both caches are left-padded to one length."""
-        width = max(self.attention_mask.size(1), other.attention_mask.size(1))
-
-        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.size(dim)
-            if missing == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)])
-            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)])
-        self.attention_mask = torch.cat([left_pad(self.attention_mask, 1), left_pad(other.attention_mask, 1)])
-        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p", "min_p"):
+        """Add `other`'s rows (freshly prefilled) to this batch."""
+        self.runner.merge(other.runner)
+        for name in ("pooled_sum", "count", "temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self._min_tokens = self._min_tokens or other._min_tokens
         self._logging = self._logging or other._logging
@@ -395,15 +447,9 @@ class Batch:
         keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
         if len(keep) == len(self.rows):
             return keep
-        idx = torch.tensor(keep, device=self.attention_mask.device, dtype=torch.long)
-        mask = self.attention_mask[idx]
-        used = mask.any(0).nonzero()
-        start = int(used[0]) if len(used) else 0
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[idx, :, start:]
-            layer.values = layer.values[idx, :, start:]
-        self.attention_mask = mask[:, start:]
-        for name in ("positions", "pooled_sum", "count", "_last_hidden", "temperature", "top_k", "top_p", "min_p"):
+        self.runner.keep(keep)
+        idx = torch.tensor(keep, device=self.pooled_sum.device, dtype=torch.long)
+        for name in ("pooled_sum", "count", "temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, getattr(self, name)[idx])
         self.rows = [self.rows[i] for i in keep]
         if self.adapters is not None:
@@ -417,6 +463,10 @@ class Batch:
     def completions(self) -> list[Completion]:
         return [r.completion() for r in self.rows]
 
+    def close(self) -> None:
+        """Free what the model side holds for the rows (llama.cpp's sequences); the batch is done with."""
+        self.runner.close()
+
 
 def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list[SamplingParams],
              guide: Guide | None = None, adapters: list[str] | None = None) -> list[Completion]:
@@ -424,9 +474,12 @@ def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     batch = Batch(model, tokenizer, prompts, params, guide, adapters)
-    while not batch.done:
-        batch.step()
-    return batch.completions()
+    try:
+        while not batch.done:
+            batch.step()
+        return batch.completions()
+    finally:
+        batch.close()
 
 
 def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParams, batch_size: int = 64,

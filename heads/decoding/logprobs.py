@@ -55,9 +55,10 @@ def running_mean(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.cumsum(0) / counts
 
 
-def prompt_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, top: int, guided=None,
+def prompt_logprobs(logits_at, hidden: torch.Tensor, ids: torch.Tensor, top: int, guided=None,
                     untilted: bool = False) -> tuple[list[TokenLogprob | None], list[TokenLogprob | None] | None]:
-    """A prompt's own tokens scored: `hidden` (L, d) its final hidden states, `ids` (L,) its tokens. The first
+    """A prompt's own tokens scored: `hidden` (L, d) its final hidden states, `logits_at(span)` the base logits
+    at a slice of its positions (float32), `ids` (L,) its tokens. The first
     token has no log-probability (None), as in OpenAI's answers. `guided(logits, pooled)` turns the base
     logits at some positions into the profile's (None: no profile). Returns (scored, untilted or None)."""
     pooled = running_mean(hidden) if guided is not None else None
@@ -65,7 +66,7 @@ def prompt_logprobs(lm_head, hidden: torch.Tensor, ids: torch.Tensor, top: int, 
     base: list[TokenLogprob | None] | None = [None] if untilted else None
     for start in range(0, len(ids) - 1, PROMPT_CHUNK):
         span = slice(start, min(start + PROMPT_CHUNK, len(ids) - 1))
-        logits = lm_head(hidden[span]).float()
+        logits = logits_at(span)
         targets = ids[span.start + 1:span.stop + 1]
         if base is not None:
             base += token_logprobs(logits, targets, top)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from lethe.heads.decoding.decode import generate_chunked
 from lethe.heads.decoding.sampling import SamplingParams
@@ -78,8 +78,13 @@ def _score(row: dict, name: str, recs: list[dict], base: list[str], tilted: list
         row["forget_fluency_head"] = fluency(tilted, vocab)
 
 
-def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
+def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict:
+    """`decoder`: what decodes every answer instead of `lm.model` (a `heads.decoding.llamacpp.LlamaCppModel`, the
+    llama.cpp engine); the head still trains on `lm.model`'s hidden states, as the server's jobs do."""
     cfg = cfg or RealBenchConfig()
+    if decoder is not None and cfg.asu_tau is not None:
+        raise ValueError("ASU is not served by the llama.cpp engine; run the ASU comparison with engine torch")
+    trainer, lm = lm, (replace(lm, model=decoder) if decoder is not None else lm)  # lm: what answers
     started = time.perf_counter()
     fmt = resolve_format(lm.tokenizer, cfg.fit.format)
     vocab = EnglishWords()
@@ -103,7 +108,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     forget_train = records(forget_kind, known[forget_kind.name], train)
     retain_train = [r for k in KINDS if k.name != forget_kind.name for r in records(k, known[k.name], train)]
     fit_started = time.perf_counter()
-    head, info = train_head(lm, forget_train, retain_train, cfg.fit, progress=False)
+    head, info = train_head(trainer, forget_train, retain_train, cfg.fit, progress=False)
     train_seconds = time.perf_counter() - fit_started
     log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
@@ -112,7 +117,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
         from lethe.heads.asu.distill import ASUConfig, train_asu
         from lethe.heads.asu.weights import attach
 
-        tensors, asu_info = train_asu(lm, forget_train, retain_train, ASUConfig(tau=cfg.asu_tau, steps=cfg.asu_steps,
+        tensors, asu_info = train_asu(trainer, forget_train, retain_train, ASUConfig(tau=cfg.asu_tau, steps=cfg.asu_steps,
                                                                               format=cfg.fit.format), progress=False)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
         log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
@@ -146,6 +151,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print) -> dict:
     if len(variants) == 1:
         examples = examples["head"]
     return {"model": str(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
+            "engine": "torch" if decoder is None else f"llamacpp ({decoder.path})",
             "known": {k: len(v) for k, v in known.items()}, "train_records": [len(forget_train), len(retain_train)],
             "train_seconds": round(train_seconds, 2), "head_metrics": info.metrics, "settings": settings.as_dict(),
             "asu": asu_metrics,

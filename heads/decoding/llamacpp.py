@@ -1,0 +1,214 @@
+"""The llama.cpp backend: a GGUF model decoded by llama.cpp (through `llama-cpp-python`), its quantized weights
+and its own kernels, with the T3 head and pooling working as on the transformers path.
+
+Every fed token is an output, so llama.cpp returns its logits and its final (normed) hidden state, the state the
+transformers path pools (`llama_get_embeddings_ith` with pooling off). Each row of a batch is a llama.cpp
+sequence with a KV cache of its own (`kv_unified` off), so a row's numbers do not depend on the rows beside it:
+decoded in a batch or alone, its logits and states are the same bits (`tests/test_llamacpp.py`). A row that
+leaves frees its sequence at once.
+
+`LlamaCppModel` loads the file and hands out sequences; `LlamaRows` is the model side of one `Batch` (the
+transformers path's is `TorchRows` in `decode.py`). Only one thread decodes with a model at a time (the
+engine's); ASU adapters are not served by this backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BUILD_HINT = ("pip install 'lethe[llamacpp]' (built from source; on CPUs with AMX add the CMAKE_ARGS the README "
+              "gives, or batched prompts crash)")
+
+
+class LlamaCppError(RuntimeError):
+    pass
+
+
+def _library():
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError:
+        raise LlamaCppError(f"the llama.cpp engine needs llama-cpp-python: {BUILD_HINT}") from None
+    _logger.set_verbose(False)  # llama.cpp prints hundreds of lines per load; errors still reach stderr
+    return llama_cpp
+
+
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp for decoding up to `rows` sequences together, `context` tokens each
+    (prompt and answer). `config`/`generation_config`: the same model's transformers config (end-of-text ids,
+    vocabulary and hidden size), which the rest of Lethe reads. `options`: more `llama_context_params` fields."""
+
+    def __init__(self, path: str | Path, config, generation_config=None, rows: int = 16, context: int = 2048,
+                 threads: int | None = None, batch: int = 512, options: dict | None = None):
+        L = self.L = _library()
+        path = Path(path)
+        if not path.is_file():
+            raise LlamaCppError(f"{path}: no such GGUF file")
+        self.path, self.config, self.generation_config = path, config, generation_config
+        threads = threads or torch.get_num_threads()
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+        if not self.model:
+            raise LlamaCppError(f"{path}: llama.cpp could not load this file")
+        self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.hidden_size = L.llama_model_n_embd(self.model)
+        if (self.vocab_size, self.hidden_size) != (config.vocab_size, config.hidden_size):
+            raise LlamaCppError(f"{path}: llama.cpp reads vocabulary {self.vocab_size} and hidden size "
+                                f"{self.hidden_size}, the model's config {config.vocab_size} and {config.hidden_size}")
+        params = L.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = context * rows, rows
+        params.n_batch = params.n_ubatch = max(batch, rows)
+        params.n_threads = params.n_threads_batch = threads
+        params.embeddings, params.pooling_type = True, L.LLAMA_POOLING_TYPE_NONE
+        params.kv_unified = False  # a KV cache per sequence: a row's numbers never depend on its neighbours
+        for name, value in (options or {}).items():  # llama_context_params fields, as named there
+            setattr(params, name, value)
+        self.ctx = L.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise LlamaCppError(f"{path}: llama.cpp could not make a context for {rows} rows of {context} tokens")
+        self.context, self.rows, self.per_call = context, rows, params.n_batch
+        self.memory = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(self.per_call, 0, 1)
+        self.free = list(range(rows))
+        self.lock = threading.Lock()  # guards `free`: a batch dropped on another thread releases its rows
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def take(self, n: int) -> list[int]:
+        with self.lock:
+            if n > len(self.free):
+                raise LlamaCppError(f"llama.cpp has {len(self.free)} free sequences of {self.rows}; {n} asked")
+            taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def release(self, seqs: list[int]) -> None:
+        with self.lock:
+            for s in seqs:
+                self.L.llama_memory_seq_rm(self.memory, s, -1, -1)
+            self.free += seqs
+
+    def decode(self, items: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed (token, position, sequence) items, each an output; returns their logits (n, V) and final hidden
+        states (n, d), float32, in order. Long inputs go in pieces of the context's batch size."""
+        L, b = self.L, self.batch
+        logits = torch.empty(len(items), self.vocab_size)
+        hidden = torch.empty(len(items), self.hidden_size)
+        for start in range(0, len(items), self.per_call):
+            piece = items[start:start + self.per_call]
+            b.n_tokens = len(piece)
+            for i, (token, pos, seq) in enumerate(piece):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, 1
+                b.seq_id[i][0] = seq
+            status = L.llama_decode(self.ctx, b)
+            if status != 0:
+                raise LlamaCppError(f"llama_decode failed ({status}): "
+                                    + ("no room in the KV cache" if status == 1 else "see the server's log"))
+            for i in range(len(piece)):
+                logits[start + i] = torch.from_numpy(
+                    np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.vocab_size,)))
+                hidden[start + i] = torch.from_numpy(
+                    np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, i), shape=(self.hidden_size,)))
+        return logits, hidden
+
+    def start_rows(self, prompts: list[list[int]], keep_prompt_logits: list[bool]) -> "LlamaRows":
+        return LlamaRows(self, prompts, keep_prompt_logits)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.L.llama_model_free(self.model)
+            self.ctx = None
+
+    def __del__(self):
+        self.close()
+
+
+class LlamaRows:
+    """The model side of a batch on llama.cpp: a sequence and a position per row, and the rows' next-token logits.
+
+    Built by prefilling the prompts (every position an output, for the pooled sum). `pooled_sum`, `count` and
+    `prompt_logits` are the prefill's results, as `TorchRows`'s."""
+
+    def __init__(self, model: LlamaCppModel, prompts: list[list[int]], keep_prompt_logits: list[bool]):
+        self.model, self.seqs = model, model.take(len(prompts))
+        try:
+            logits, hidden = model.decode([(t, j, s) for s, p in zip(self.seqs, prompts) for j, t in enumerate(p)])
+        except BaseException:
+            self.close()
+            raise
+        ends = np.cumsum([len(p) for p in prompts]).tolist()
+        starts = [0] + ends[:-1]
+        self.positions = [len(p) for p in prompts]  # the next token's position, per row
+        self.pooled_sum = torch.stack([hidden[a:b].sum(0) for a, b in zip(starts, ends)])
+        self.count = torch.tensor(self.positions)
+        self._logits = logits[[b - 1 for b in ends]]
+        self.prompt_logits = [((lambda span, x=logits[a:b]: x[span]), hidden[a:b]) if keep else None
+                              for a, b, keep in zip(starts, ends, keep_prompt_logits)]
+
+    def logits(self) -> torch.Tensor:
+        """Every row's next-token logits, (B, V) float32."""
+        return self._logits
+
+    def feed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row at its next position; returns the rows' new final hidden states (B, d)."""
+        items = [(t, p, s) for t, p, s in zip(tokens.tolist(), self.positions, self.seqs)]
+        self._logits, hidden = self.model.decode(items)
+        self.positions = [p + 1 for p in self.positions]
+        return hidden
+
+    def merge(self, other: "LlamaRows") -> None:
+        self.seqs, other.seqs = self.seqs + other.seqs, []  # its sequences are this batch's now
+        self.positions += other.positions
+        self._logits = torch.cat([self._logits, other._logits])
+
+    def keep(self, idx: list[int]) -> None:
+        """Keep rows `idx`; the others' sequences are freed."""
+        kept = set(idx)
+        self.model.release([s for i, s in enumerate(self.seqs) if i not in kept])
+        self.seqs = [self.seqs[i] for i in idx]
+        self.positions = [self.positions[i] for i in idx]
+        self._logits = self._logits[idx]
+
+    def close(self) -> None:
+        seqs, self.seqs = self.seqs, []
+        if seqs:
+            self.model.release(seqs)
+
+    def __del__(self):
+        self.close()
+
+
+def open_gguf(lm, gguf: str | Path | None, rows: int, context: int | None) -> LlamaCppModel:
+    """The llama.cpp model for a loaded model `lm` (`heads.modelio.LoadedModel`): `gguf`, or `lm` itself when it
+    was loaded from a GGUF file. A prepared directory (`lethe models prepare`) must name the file it came from.
+    `context`: tokens per row (default the model's, at most 2048: llama.cpp reserves every row's KV cache)."""
+    import json
+
+    from lethe.heads.modelio import PREPARED, gguf_file
+
+    own = gguf_file(lm.path) if Path(lm.path).exists() else None
+    file = Path(gguf) if gguf is not None else own
+    if file is None:
+        raise LlamaCppError(f"{lm.path}: the llama.cpp engine decodes a GGUF file; serve the .gguf file itself, "
+                            "or name it with --gguf")
+    if own is None:  # a directory: it must be this file's prepared copy, or heads would meet other weights
+        record = Path(lm.path) / PREPARED
+        source = json.loads(record.read_text()).get("source") if record.is_file() else None
+        if source != file.name:
+            raise LlamaCppError(f"{file}: {lm.path} was not prepared from this file ("
+                                + (f"it names {source}" if source else "it is not a prepared GGUF directory")
+                                + "); serve the .gguf file itself, or its prepared directory")
+    elif own.resolve() != file.resolve():
+        raise LlamaCppError(f"{file}: the model is {own}; --gguf must name the same file")
+    own_context = int(getattr(lm.model.config, "max_position_embeddings", 2048))
+    return LlamaCppModel(file, lm.model.config, getattr(lm.model, "generation_config", None), rows,
+                         min(own_context, context or 2048))
