@@ -139,7 +139,8 @@ class LlamaRows:
     `prompt_logits` are the prefill's results, as `TorchRows`'s."""
 
     def __init__(self, model: LlamaCppModel, prompts: list[list[int]], keep_prompt_logits: list[bool]):
-        self.model, self.seqs = model, model.take(len(prompts))
+        self.model, self.seqs = model, []
+        self.seqs = model.take(len(prompts))
         try:
             logits, hidden = model.decode([(t, j, s) for s, p in zip(self.seqs, prompts) for j, t in enumerate(p)])
         except BaseException:

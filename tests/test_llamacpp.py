@@ -1,0 +1,138 @@
+"""The llama.cpp engine (issue 16) on the real model's GGUF file, as CI builds llama-cpp-python (`make install`):
+a row decodes in a batch as it would alone, heads tilt per row, sequences are freed, and the server serves it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import httpx
+import pytest
+
+from conftest import REAL_GGUF
+from test_real_model import CAPITALS, _capital_records
+
+pytestmark = pytest.mark.real
+
+ROWS = 8
+
+
+@pytest.fixture(scope="module")
+def llama(real_lm):
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("CI"):
+            pytest.fail("llama-cpp-python is missing: `make install` builds it (CI runs it)")
+        pytest.skip("llama-cpp-python is not installed: make install")
+    from lethe.heads.decoding.llamacpp import open_gguf
+
+    model = open_gguf(real_lm, REAL_GGUF, ROWS, 512)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def capitals_head(real_lm):
+    """A head trained (on the transformers model, as the server's jobs train) to forget four capitals."""
+    from lethe.heads.t3.pipeline import train_head
+
+    items = list(CAPITALS.items())
+    head, _ = train_head(real_lm, _capital_records(items[:4]), _capital_records(items[4:]), progress=False)
+    return head
+
+
+def _prompts(tok, countries):
+    from lethe.heads.records import ask
+
+    return [ask(f"What is the capital of {c}?", "chat", tok) for c in countries]
+
+
+def test_a_row_decodes_in_a_batch_and_joining_one_as_it_would_alone(real_lm, llama, capitals_head):
+    """Rows with their own heads, settings and sampling, one joining after three steps: each row's tokens and
+    log-probabilities are those it gets decoded alone, and every llama.cpp sequence is free afterwards."""
+    from lethe.heads.decoding.decode import Batch, generate
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    tok = real_lm.tokenizer
+    prompts = _prompts(tok, ["France", "Japan", "Italy"])
+    params = [SamplingParams(max_new_tokens=12, temperature=0, logprobs=2),
+              SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=1)]
+    rows = [(capitals_head, TiltSettings()), None, (capitals_head, TiltSettings.from_dict({"T": 1.5, "lam": 2.0}))]
+    alone = [generate(llama, tok, [p], [s], HeadGuide([r]) if r else None)[0] for p, s, r in zip(prompts, params, rows)]
+    batch = Batch(llama, tok, prompts[:2], params[:2], HeadGuide(rows[:2]))
+    for _ in range(3):
+        batch.step()
+    joining = Batch(llama, tok, prompts[2:], params[2:], HeadGuide(rows[2:]))
+    assert batch.can_merge() and joining.can_merge()
+    batch.merge(joining)
+    rows = list(batch.rows)  # finished rows leave the batch (compact): keep them to read their answers
+    while not batch.done:
+        batch.step()
+        batch.compact()
+    batch.close()
+    together = [r.completion() for r in rows]
+    assert len(together) == len(alone)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.logprobs == b.logprobs and a.prompt_logprobs == b.prompt_logprobs
+    assert together[0].logprobs and together[2].prompt_logprobs
+    assert sorted(llama.free) == list(range(ROWS))
+
+
+def test_a_head_hides_its_capitals_on_llama_cpp_and_keeps_the_others(real_lm, llama, capitals_head):
+    """The head, trained on the transformers model's hidden states, tilts llama.cpp's answers as it does
+    torch's: the forgotten capitals go (3 of 4 here, with 16 tokens), the others stay as the base model answers
+    them."""
+    from lethe.heads.decoding.decode import generate
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    items = list(CAPITALS.items())
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    hits, same = {}, []
+    for name, group in (("forget", items[:4]), ("retain", items[4:])):
+        prompts = _prompts(real_lm.tokenizer, [c for c, _ in group])
+        base = generate(llama, real_lm.tokenizer, prompts, params)
+        tilted = generate(llama, real_lm.tokenizer, prompts, params, HeadGuide.uniform(capitals_head, TiltSettings()))
+        hits[name] = (sum(a in t.text for (_, a), t in zip(group, base)),
+                      sum(a in t.text for (_, a), t in zip(group, tilted)))
+        if name == "retain":
+            same = [b.text == t.text for b, t in zip(base, tilted)]
+    assert hits["forget"][0] >= 3 and hits["forget"][1] <= 1, hits  # torch's own test allows 2 of 4
+    assert hits["retain"][1] == hits["retain"][0] >= 6 and sum(same) >= 7, (hits, same)
+
+
+def test_the_server_decodes_with_llama_cpp(real_lm, llama, capitals_head, tmp_path):
+    """`lethe serve --engine llamacpp`: a tenant's profile tilts its own answers and no one else's, streams work,
+    the context is llama.cpp's, and an ASU profile is refused naming the backend."""
+    from lethe.heads.t3.head import HeadInfo, save_head
+
+    from live_server import new_tenant, running_server
+
+    cfg = real_lm.model.config
+    save_head(tmp_path / "head.safetensors", capitals_head,
+              HeadInfo(base_fingerprint=real_lm.fingerprint, d=cfg.hidden_size, vocab=cfg.vocab_size,
+                       rank=capitals_head.rank))
+    question = {"messages": [{"role": "user", "content": "What is the capital of Germany?"}], "temperature": 0,
+                "max_tokens": 16}
+    with running_server(real_lm, tmp_path / "data", engine="llamacpp", gguf=REAL_GGUF, max_batch_size=ROWS,
+                        max_model_len=256) as url:
+        alice, bob = new_tenant(url, "alice"), new_tenant(url, "bob")
+        head = alice.post("/v1/heads/upload", files={"file": ("h", (tmp_path / "head.safetensors").read_bytes())})
+        assert head.status_code == 201, head.text
+        assert alice.put("/v1/profiles/forget", json={"head": head.json()["id"]}).status_code == 200
+        base = bob.post("/v1/chat/completions", json={**question, "model": "base"}).json()
+        tilted = alice.post("/v1/chat/completions", json={**question, "model": "forget"}).json()
+        again = bob.post("/v1/chat/completions", json={**question, "model": "base"}).json()
+        answer = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+        assert "Berlin" in answer(base) and "Berlin" not in answer(tilted), (answer(base), answer(tilted))
+        assert answer(again) == answer(base)
+        with alice.stream("POST", "/v1/chat/completions", json={**question, "model": "forget", "stream": True}) as r:
+            streamed = "".join(line for line in r.iter_lines() if line.startswith("data: {"))
+        assert r.status_code == 200 and streamed
+        assert httpx.get(url + "/version").json()["max_model_len"] == 256
+        long = alice.post("/generate", json={"prompt": "word " * 300, "max_new_tokens": 4})
+        assert long.status_code == 422 and "256" in long.text
+        asu = alice.put("/v1/profiles/asu", json={"backend": "asu", "weights": "asu_missing"})
+        assert asu.status_code == 422 and "llama.cpp" in asu.text and asu.json()["detail"][0]["loc"][-1] == "backend"
