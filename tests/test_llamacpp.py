@@ -136,3 +136,27 @@ def test_the_server_decodes_with_llama_cpp(real_lm, llama, capitals_head, tmp_pa
         assert long.status_code == 422 and "256" in long.text
         asu = alice.put("/v1/profiles/asu", json={"backend": "asu", "weights": "asu_missing"})
         assert asu.status_code == 422 and "llama.cpp" in asu.text and asu.json()["detail"][0]["loc"][-1] == "backend"
+
+
+def test_bench_engine_times_the_llama_cpp_engine_beside_llama_cpp(llama, tmp_path):
+    """`lethe bench engine` with the GGUF file: Lethe's llama.cpp engine with and without a head beside
+    llama.cpp's own runs, the bars computed on it, and its answers the same batched as alone."""
+    import json
+
+    from lethe.clients.cli import main
+    from test_real_model import REAL_MODEL
+
+    records = _capital_records(list(CAPITALS.items()))
+    for name, recs in (("forget", records[:16]), ("retain", records[16:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["bench", "engine", "--model", str(REAL_MODEL), "--gguf", str(REAL_GGUF), "--forget",
+                 str(tmp_path / "forget.jsonl"), "--retain", str(tmp_path / "retain.jsonl"), "--repeats", "1",
+                 "--new-tokens", "8", "--equality", "8", "--out", str(tmp_path / "e.json")]) == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    for batch in ("batch_1", "batch_8"):
+        row = result["lethe"][batch]
+        assert row["lethe_llamacpp_tokens_per_s"] > 0 and row["lethe_llamacpp_t3_tokens_per_s"] > 0
+    assert result["bars"]["backend"] == "lethe_llamacpp_t3"
+    assert all("error" not in r for r in result["llama_cpp"]["single_stream"]), "this build runs every mode"
+    same = result["equality_lethe_llamacpp"]
+    assert same["batched_vs_alone"]["equal"] == 8 and same["vs_llama_cpp"]["equal"] == 8, same

@@ -3,12 +3,15 @@
 On the same chat prompts, greedy, `new_tokens` new tokens each (end-of-text ignored, the prompt's evaluation
 included in every figure):
 * transformers' `model.generate` (the reference: float32 eager);
-* Lethe's decode loop without a head and with a T3 head, at batch 1 and batch 8;
+* Lethe's decode loop without a head and with a T3 head, at batch 1 and batch 8, on each backend: torch (the model
+  as loaded) and, given `decoder` (`heads.decoding.llamacpp`), the llama.cpp engine on the GGUF file;
 * llama.cpp on the model's GGUF file (`gguf`, with llama-cpp-python installed), single stream, in each way this
   build runs (`heads.evaluation.llamacpp`: its defaults, token by token, without CPU-specific layouts), each in a
   process of its own, since some builds crash on batched prompts; and 8 sequences in one batch.
-Then the issue-16 ratios against llama.cpp's fastest single stream, and greedy equality of whole answers (up to
-end-of-text) over `equality` prompts: Lethe against `model.generate`, llama.cpp against Lethe's float32.
+Then the issue-16 ratios against llama.cpp's fastest single stream (of Lethe's fastest backend with a head), and
+greedy equality of whole answers (up to end-of-text) over `equality` prompts: Lethe against `model.generate`,
+llama.cpp against Lethe's float32, and Lethe's llama.cpp engine against llama.cpp's own answers, against Lethe's
+float32, and batched (8 rows) against alone.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _same(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[str], new_tokens: int = 64,
-                 repeats: int = 3, gguf: Path | None = None, equality: int = 48, log=print) -> dict:
+                 repeats: int = 3, gguf: Path | None = None, equality: int = 48, log=print, decoder=None) -> dict:
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     guide = HeadGuide.uniform(head, settings or TiltSettings())
@@ -68,12 +71,19 @@ def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[
     for batch in (1, 8):
         chosen = (prompts * batch)[:batch]
         log(f"bench engine: Lethe and model.generate, batch {batch}")
-        runs = _timed_runs({"hf_generate": hf_generate(lm, chosen, new_tokens), "lethe": lambda: generate(model, tok, chosen, params),
-                            "lethe_t3": lambda: generate(model, tok, chosen, params, guide)}, repeats)
+        fns = {"hf_generate": hf_generate(lm, chosen, new_tokens), "lethe": lambda: generate(model, tok, chosen, params),
+               "lethe_t3": lambda: generate(model, tok, chosen, params, guide)}
+        if decoder is not None:
+            fns |= {"lethe_llamacpp": lambda: generate(decoder, tok, chosen, params),
+                    "lethe_llamacpp_t3": lambda: generate(decoder, tok, chosen, params, guide)}
+        runs = _timed_runs(fns, repeats)
         result["lethe"][f"batch_{batch}"] = {
             **{f"{k}_tokens_per_s": round(batch * new_tokens / statistics.median(v), 1) for k, v in runs.items()},
             "t3_over_no_head": _paired_ratio(runs, "lethe_t3", "lethe"),
             "lethe_speedup_over_hf_generate": _paired_ratio(runs, "hf_generate", "lethe")}
+        if decoder is not None:
+            result["lethe"][f"batch_{batch}"]["llamacpp_t3_over_no_head"] = _paired_ratio(
+                runs, "lethe_llamacpp_t3", "lethe_llamacpp")
     sample = prompts[:equality]
     stop = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     log(f"bench engine: greedy answers to {len(sample)} prompts (Lethe, model.generate)")
@@ -92,16 +102,24 @@ def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[
         result["llama_cpp"] = {"skipped": "no --gguf file"}
     else:
         result["llama_cpp"] = _llamacpp(gguf, tok, prompts, sample, new_tokens, repeats, lethe_answers, log)
+    if decoder is not None:
+        log(f"bench engine: greedy answers to {len(sample)} prompts on Lethe's llama.cpp engine, 8 rows and alone")
+        fast = [c.token_ids for c in generate_chunked(decoder, tok, sample, stop, batch_size=8)]
+        fast_alone = [c.token_ids for c in generate_chunked(decoder, tok, sample, stop, batch_size=1)]
+        result["equality_lethe_llamacpp"] = {"batched_vs_alone": _same(fast, fast_alone),
+                                             "vs_lethe_float32": _same(fast, lethe_answers)}
+        if "answers" in result["llama_cpp"].get("batch_8", {}):
+            result["equality_lethe_llamacpp"]["vs_llama_cpp"] = _same(fast, result["llama_cpp"]["batch_8"]["answers"])
     single = [r["tokens_per_s"] for r in result["llama_cpp"].get("single_stream", []) if "tokens_per_s" in r]
     if single:
         best = max(single)
+        key, ratio = ("lethe_llamacpp_t3", "llamacpp_t3_over_no_head") if decoder is not None else ("lethe_t3", "t3_over_no_head")
+        b1, b8 = result["lethe"]["batch_1"], result["lethe"]["batch_8"]
         result["llama_cpp_single_stream_best_tokens_per_s"] = best
-        result["bars"] = {
-            "batch_1_t3_over_llama_cpp (>= 0.5)": round(result["lethe"]["batch_1"]["lethe_t3_tokens_per_s"] / best, 3),
-            "batch_8_t3_over_llama_cpp_single_stream (>= 2)": round(
-                result["lethe"]["batch_8"]["lethe_t3_tokens_per_s"] / best, 3),
-            "t3_over_no_head batch 1 / 8 (<= 1.05)": [result["lethe"]["batch_1"]["t3_over_no_head"],
-                                                     result["lethe"]["batch_8"]["t3_over_no_head"]]}
+        result["bars"] = {"backend": key,
+                          "batch_1_t3_over_llama_cpp (>= 0.5)": round(b1[f"{key}_tokens_per_s"] / best, 3),
+                          "batch_8_t3_over_llama_cpp_single_stream (>= 2)": round(b8[f"{key}_tokens_per_s"] / best, 3),
+                          "t3_over_no_head batch 1 / 8 (<= 1.05)": [b1[ratio], b8[ratio]]}
     return result
 
 
@@ -117,10 +135,12 @@ def _llamacpp(gguf: Path, tok, prompts: list[str], sample: list[str], new_tokens
         log(f"bench engine: llama.cpp, one stream, {mode}")
         out["single_stream"].append({k: v for k, v in llamacpp_run(gguf, ids, new_tokens, mode, 1, repeats).items()
                                      if k != "tokens"})
-    log("bench engine: llama.cpp, 8 sequences in one batch (plain), and its greedy answers")
+    # 8 sequences in one batch: its defaults where they ran alone (this build's batched kernels work), else plain
+    batch_mode = "default" if "tokens_per_s" in out["single_stream"][0] else "plain"
+    log(f"bench engine: llama.cpp, 8 sequences in one batch ({batch_mode}), and its greedy answers")
     sample_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in sample]
-    batched = llamacpp_run(gguf, sample_ids, new_tokens, "plain", 8, repeats, answers=True)
-    out["batch_8"] = {k: v for k, v in batched.items() if k not in ("tokens", "answers")}
+    batched = llamacpp_run(gguf, sample_ids, new_tokens, batch_mode, 8, repeats, answers=True)
+    out["batch_8"] = {k: v for k, v in batched.items() if k != "tokens"}
     if "answers" in batched:
         out["equality_llama_cpp_vs_lethe_float32"] = _same(batched["answers"], lethe_answers)
     return out
