@@ -343,10 +343,11 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
 
     @app.get("/version", response_model=Version, tags=["operations"])
     async def version(request: Request) -> Version:
-        """Lethe's version, and the model served (name and fingerprint)."""
+        """Lethe's version, the model served (name and fingerprint), its context and the engine decoding it."""
         engine: Engine = request.app.state.engine
         return Version(version=__version__, model=Path(str(engine.lm.path)).name, fingerprint=engine.lm.fingerprint,
-                       max_model_len=engine.context_length)
+                       max_model_len=engine.context_length,
+                       engine="torch" if engine.decoder is None else "llamacpp")
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["operations"],
               dependencies=[Depends(optional_tenant)])

@@ -269,6 +269,8 @@ class Version(BaseModel):
     model: str
     fingerprint: str
     max_model_len: int
+    engine: Literal["torch", "llamacpp"] = Field(description="What decodes: transformers (`torch`) or llama.cpp on "
+                                                           "the GGUF file (`llamacpp`).")
 
 
 class TextPart(ValidText):

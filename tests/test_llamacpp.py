@@ -131,7 +131,8 @@ def test_the_server_decodes_with_llama_cpp(real_lm, llama, capitals_head, tmp_pa
         with alice.stream("POST", "/v1/chat/completions", json={**question, "model": "forget", "stream": True}) as r:
             streamed = "".join(line for line in r.iter_lines() if line.startswith("data: {"))
         assert r.status_code == 200 and streamed
-        assert httpx.get(url + "/version").json()["max_model_len"] == 256
+        version = httpx.get(url + "/version").json()
+        assert version["max_model_len"] == 256 and version["engine"] == "llamacpp"
         long = alice.post("/generate", json={"prompt": "word " * 300, "max_new_tokens": 4})
         assert long.status_code == 422 and "256" in long.text
         asu = alice.put("/v1/profiles/asu", json={"backend": "asu", "weights": "asu_missing"})

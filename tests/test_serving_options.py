@@ -25,6 +25,7 @@ def served(tiny_model_dir, tmp_path_factory):
 def test_version_tokenize_and_detokenize(served):
     v = served.get("/version").json()
     assert v["version"] and v["model"] and len(v["fingerprint"]) == 16 and v["max_model_len"] == 40
+    assert v["engine"] == "torch"
     t = served.post("/tokenize", json={"model": "tiny", "prompt": "Question: Who?\nAnswer:"}).json()
     assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 40
     assert served.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Question: Who?\nAnswer:"

@@ -106,8 +106,9 @@ def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.T
 class TorchRows:
     """The model side of a batch on a transformers model: the KV cache, attention mask and positions of the rows,
     and their last hidden states (the next-token logits come from these). Built by prefilling the prompts;
-    `pooled_sum`, `count` and `prompt_logits` (per row, a function from a span of its prompt's positions to their
-    logits when asked, else None) are the prefill's results. Run under the batch's adapters (`Batch._adapters`).
+    `pooled_sum` (B, d), `count` (B,) and `prompt_logits` are the prefill's results: per row whose prompt is
+    scored, (a function from a slice of its prompt's positions to their logits, its prompt's hidden states), else
+    None. Run under the batch's adapters (`Batch._adapters`).
     The llama.cpp backend's counterpart is `heads.decoding.llamacpp.LlamaRows`."""
 
     def __init__(self, model, prompts: list[list[int]], keep_prompt_logits: list[bool], pad: int):
@@ -243,7 +244,7 @@ class Batch:
         for i, row in enumerate(self.rows):
             if row.params.prompt_logprobs is None:
                 continue
-            ids = torch.tensor(row.prompt_ids)
+            ids = torch.tensor(row.prompt_ids, device=self.pooled_sum.device)
             entry = self._head_of(i)
             guided = None if entry is None else (lambda logits, pooled, e=entry: whole_vocabulary(*e, logits, pooled))
             row.prompt_logprobs, row.untilted_prompt_logprobs = prompt_logprobs(

@@ -76,7 +76,8 @@ class LlamaCppModel:
         self.memory = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(self.per_call, 0, 1)
         self.free = list(range(rows))
-        self.lock = threading.Lock()  # guards `free`: a batch dropped on another thread releases its rows
+        self.lock = threading.Lock()  # one call into the context at a time: a batch dropped on another thread
+        # releases its sequences only between two decodes
 
     @property
     def device(self) -> torch.device:
@@ -95,27 +96,33 @@ class LlamaCppModel:
                 self.L.llama_memory_seq_rm(self.memory, s, -1, -1)
             self.free += seqs
 
-    def decode(self, items: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed (token, position, sequence) items, each an output; returns their logits (n, V) and final hidden
-        states (n, d), float32, in order. Long inputs go in pieces of the context's batch size."""
+    def decode(self, items: list[tuple[int, int, int]], wanted: list[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed (token, position, sequence) items; returns the logits (len(wanted), V) of the items at the
+        indices `wanted` (default: all) and the final hidden states (n, d) of all, float32, in order. Long inputs
+        go in pieces of the context's batch size."""
         L, b = self.L, self.batch
-        logits = torch.empty(len(items), self.vocab_size)
+        wanted = list(range(len(items))) if wanted is None else wanted
+        logits = torch.empty(len(wanted), self.vocab_size)
         hidden = torch.empty(len(items), self.hidden_size)
-        for start in range(0, len(items), self.per_call):
-            piece = items[start:start + self.per_call]
-            b.n_tokens = len(piece)
-            for i, (token, pos, seq) in enumerate(piece):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, 1
-                b.seq_id[i][0] = seq
-            status = L.llama_decode(self.ctx, b)
-            if status != 0:
-                raise LlamaCppError(f"llama_decode failed ({status}): "
-                                    + ("no room in the KV cache" if status == 1 else "see the server's log"))
-            for i in range(len(piece)):
-                logits[start + i] = torch.from_numpy(
-                    np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.vocab_size,)))
-                hidden[start + i] = torch.from_numpy(
-                    np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, i), shape=(self.hidden_size,)))
+        with self.lock:
+            for start in range(0, len(items), self.per_call):
+                piece = items[start:start + self.per_call]
+                b.n_tokens = len(piece)
+                for i, (token, pos, seq) in enumerate(piece):  # every item an output: its state is pooled
+                    b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, 1
+                    b.seq_id[i][0] = seq
+                status = L.llama_decode(self.ctx, b)
+                if status != 0:
+                    raise LlamaCppError(f"llama_decode failed ({status}): "
+                                        + ("no room in the KV cache" if status == 1 else "see the server's log"))
+                n = len(piece)  # the outputs, in the batch's order
+                hidden[start:start + n] = torch.from_numpy(
+                    np.ctypeslib.as_array(L.llama_get_embeddings(self.ctx), shape=(n, self.hidden_size)))
+                rows = [(j, w - start) for j, w in enumerate(wanted) if start <= w < start + n]
+                if rows:
+                    out = torch.from_numpy(np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(n, self.vocab_size)))
+                    logits[[j for j, _ in rows]] = out[[i for _, i in rows]]
         return logits, hidden
 
     def start_rows(self, prompts: list[list[int]], keep_prompt_logits: list[bool]) -> "LlamaRows":
@@ -141,19 +148,24 @@ class LlamaRows:
     def __init__(self, model: LlamaCppModel, prompts: list[list[int]], keep_prompt_logits: list[bool]):
         self.model, self.seqs = model, []
         self.seqs = model.take(len(prompts))
+        ends = np.cumsum([len(p) for p in prompts]).tolist()
+        starts = [0] + ends[:-1]
+        # logits: each prompt's last position, and every position of the prompts whose log-probabilities are asked
+        wanted = sorted({b - 1 for b in ends} | {i for a, b, keep in zip(starts, ends, keep_prompt_logits) if keep
+                                                 for i in range(a, b)})
         try:
-            logits, hidden = model.decode([(t, j, s) for s, p in zip(self.seqs, prompts) for j, t in enumerate(p)])
+            logits, hidden = model.decode([(t, j, s) for s, p in zip(self.seqs, prompts) for j, t in enumerate(p)],
+                                          wanted)
         except BaseException:
             self.close()
             raise
-        ends = np.cumsum([len(p) for p in prompts]).tolist()
-        starts = [0] + ends[:-1]
+        row_of = {w: j for j, w in enumerate(wanted)}  # item index -> row of `logits`
         self.positions = [len(p) for p in prompts]  # the next token's position, per row
         self.pooled_sum = torch.stack([hidden[a:b].sum(0) for a, b in zip(starts, ends)])
         self.count = torch.tensor(self.positions)
-        self._logits = logits[[b - 1 for b in ends]]
-        self.prompt_logits = [((lambda span, x=logits[a:b]: x[span]), hidden[a:b]) if keep else None
-                              for a, b, keep in zip(starts, ends, keep_prompt_logits)]
+        self._logits = logits[[row_of[b - 1] for b in ends]]
+        self.prompt_logits = [((lambda span, x=logits[row_of[a]:row_of[b - 1] + 1]: x[span]), hidden[a:b])
+                              if keep else None for a, b, keep in zip(starts, ends, keep_prompt_logits)]
 
     def logits(self) -> torch.Tensor:
         """Every row's next-token logits, (B, V) float32."""
