@@ -271,7 +271,14 @@ def cmd_generate(args) -> int:
     else:
         print("lethe generate: give a PROMPT or --input PROMPTS.jsonl", file=sys.stderr)
         return 2
-    outs = generate_chunked(lm.model, lm.tokenizer, prompts, params, guide=guide)
+    model, batch = lm.model, 64
+    if args.engine == "llamacpp":
+        from lethe.heads.decoding.llamacpp import open_gguf
+
+        if args.asu:
+            raise UsageError("generate: --asu needs --engine torch (the llama.cpp engine does not serve ASU adapters)")
+        model, batch = open_gguf(lm, args.gguf, 16, None), 16
+    outs = generate_chunked(model, lm.tokenizer, prompts, params, batch_size=batch, guide=guide)
     if args.output:
         from lethe.heads.io import atomic_write_text
 
@@ -755,8 +762,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, help="JSON Lines out, one {\"prompt\", \"text\"} per line")
     p.add_argument("--profile", help="on the server: the profile to generate with (default: base)")
     p.add_argument("--stream", action="store_true", help="on the server: print the text as it comes")
+    _add_engine_args(p)
     p.set_defaults(func=cmd_generate, remote=remote.generate)
-    _modes(p, offline=["model", "device", "dtype", *_PROFILE_DESTS, "input", "output"], server=["profile", "stream"])
+    _modes(p, offline=["model", "device", "dtype", *_PROFILE_DESTS, "input", "output", "engine", "gguf"],
+           server=["profile", "stream"])
 
     heads = sub.add_parser("heads", help="T3 heads: train offline or on the server; list, get, delete on the server"
                            ).add_subparsers(dest="heads", required=True)

@@ -14,12 +14,15 @@ engine's); ASU adapters are not served by this backend.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
+log = logging.getLogger("lethe.llamacpp")
 BUILD_HINT = ("pip install 'lethe[llamacpp]' (built from source; on CPUs with AMX add the CMAKE_ARGS the README "
               "gives, or batched prompts crash)")
 
@@ -28,13 +31,23 @@ class LlamaCppError(RuntimeError):
     pass
 
 
+_log_callback = None  # kept referenced: llama.cpp calls it for as long as the process lives
+
+
 def _library():
+    global _log_callback
     try:
         import llama_cpp
-        from llama_cpp import _logger
     except ImportError:
         raise LlamaCppError(f"the llama.cpp engine needs llama-cpp-python: {BUILD_HINT}") from None
-    _logger.set_verbose(False)  # llama.cpp prints hundreds of lines per load; errors still reach stderr
+    if _log_callback is None:  # llama.cpp prints hundreds of lines per load: its errors go to our log, the rest
+        # (levels none, info, warn, debug, continued) to debug
+        @llama_cpp.llama_log_callback
+        def _log_callback(level, text, user_data):
+            log.log(logging.ERROR if level == 3 else logging.DEBUG, "llama.cpp: %s",
+                    text.decode("utf-8", "replace").rstrip())
+
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     return llama_cpp
 
 
