@@ -51,6 +51,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
 
 
+def _engine_model(args, lm, rows: int):
+    """What decodes offline: the llama.cpp model for --engine llamacpp (`heads.decoding.llamacpp`), else None."""
+    if args.engine != "llamacpp":
+        if args.gguf is not None:
+            raise UsageError("--gguf names the file the llama.cpp engine decodes: add --engine llamacpp")
+        return None
+    from lethe.heads.decoding.llamacpp import open_gguf
+
+    return open_gguf(lm, args.gguf, rows, None)
+
+
 def _add_engine_args(p: argparse.ArgumentParser, default: str | None = "torch") -> None:
     p.add_argument("--engine", default=default, choices=["torch", "llamacpp"],
                    help="what decodes: torch (default; transformers) or llamacpp (llama.cpp on the GGUF file, "
@@ -92,11 +103,15 @@ def cmd_serve(args) -> int:
         raise UsageError("--replicas and --ray-address need --ray")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     _check_store(settings)
+    if settings.engine == "llamacpp":
+        from lethe.heads.decoding.llamacpp import gguf_for
+
+        gguf_for(settings.model, settings.gguf)  # the build and the file, before the model loads
     lm = load_model(settings.model, settings.device, settings.dtype)
     if settings.chat_template is not None:  # a template that does not render fails here, before any key is made
         use_chat_template(lm.tokenizer, settings.chat_template)
     decoder = None
-    if settings.engine == "llamacpp":  # here, so a file or build that will not do fails in one line
+    if settings.engine == "llamacpp":  # here, so a file that will not do fails in one line
         from lethe.heads.decoding.llamacpp import open_gguf
 
         decoder = open_gguf(lm, settings.gguf, settings.max_batch_size, settings.max_model_len)
@@ -271,14 +286,11 @@ def cmd_generate(args) -> int:
     else:
         print("lethe generate: give a PROMPT or --input PROMPTS.jsonl", file=sys.stderr)
         return 2
-    model, batch = lm.model, 64
-    if args.engine == "llamacpp":
-        from lethe.heads.decoding.llamacpp import open_gguf
-
-        if args.asu:
-            raise UsageError("generate: --asu needs --engine torch (the llama.cpp engine does not serve ASU adapters)")
-        model, batch = open_gguf(lm, args.gguf, 16, None), 16
-    outs = generate_chunked(model, lm.tokenizer, prompts, params, batch_size=batch, guide=guide)
+    if args.engine == "llamacpp" and args.asu:
+        raise UsageError("generate: --asu needs --engine torch (the llama.cpp engine does not serve ASU adapters)")
+    fast = _engine_model(args, lm, 16)
+    outs = generate_chunked(fast or lm.model, lm.tokenizer, prompts, params, batch_size=16 if fast else 64,
+                            guide=guide)
     if args.output:
         from lethe.heads.io import atomic_write_text
 
@@ -502,11 +514,7 @@ def cmd_bench_real(args) -> int:
                           top_p=args.top_p, seeds=tuple(args.seeds), limit=args.limit,
                           fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant),
                           asu_tau=args.asu_tau, asu_steps=args.asu_steps)
-    decoder = None
-    if args.engine == "llamacpp":
-        from lethe.heads.decoding.llamacpp import open_gguf
-
-        decoder = open_gguf(lm, args.gguf, 32, None)
+    decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
     print(table)

@@ -5,6 +5,7 @@ A crash leaves either the old file or the new one, never half of one.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import tempfile
@@ -58,3 +59,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str | Path) -> str:
+    """A file's sha256, hex, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from lethe.heads.io import sha256_file
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -56,7 +58,7 @@ def _check_dir(path: Path) -> dict:
     return config
 
 
-PREPARED = "lethe_model.json"  # written by `prepare_gguf`: the source file and the weights' fingerprint
+PREPARED = "lethe_model.json"  # written by `prepare_gguf`: the source file, its sha256, the weights' fingerprint
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -146,8 +148,8 @@ def prepare_gguf(file: str | Path, out: str | Path, dtype: str = "float32") -> P
     try:
         lm.model.save_pretrained(tmp)
         lm.tokenizer.save_pretrained(tmp)
-        (tmp / PREPARED).write_text(json.dumps({"source": file.name, "fingerprint": lm.fingerprint,
-                                                "dtype": dtype}, indent=2) + "\n")
+        (tmp / PREPARED).write_text(json.dumps({"source": file.name, "source_sha256": sha256_file(file),
+                                                "fingerprint": lm.fingerprint, "dtype": dtype}, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp made it private; a model directory is as readable as any other
         os.replace(tmp, out)
     except BaseException:

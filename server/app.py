@@ -160,6 +160,39 @@ class BoundedBody:
         await self.app(scope, replay, send)
 
 
+class AccessLog:
+    """A JSON line and the request metrics per HTTP request, once its response is sent (a stream's too).
+
+    Plain ASGI rather than Starlette's `BaseHTTPMiddleware`, under which `request.is_disconnected()` never sees a
+    client that left (its receive wrapper is cancelled before it reads), so a whole-answer request could not stop
+    its row (`generation.complete`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), 500  # 500: no handler answered (the server's error page will)
+
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            seconds, path = time.perf_counter() - started, route_path(Request(scope))
+            metrics = getattr(scope["app"].state, "metrics", None)
+            if metrics is not None:
+                metrics.requests.labels(path, str(status)).inc()
+                metrics.request_seconds.labels(path).observe(seconds)
+            log.info(json.dumps({"method": scope["method"], "path": path, "status": status,
+                                 "ms": round(1000 * seconds, 1)}))
+
+
 def route_path(request: Request) -> str:
     """The route template (`/v1/heads/{head_id}`), so metrics do not grow a label per id.
 
@@ -267,27 +300,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
     app.add_middleware(BoundedBody, settings=settings)
     app.include_router(routes.router)
     app.include_router(openai_api.router)
-
-    @app.middleware("http")
-    async def access_log(request: Request, call_next):
-        started = time.perf_counter()
-
-        def record(status: int) -> None:
-            seconds, path = time.perf_counter() - started, route_path(request)
-            metrics = getattr(request.app.state, "metrics", None)
-            if metrics is not None:
-                metrics.requests.labels(path, str(status)).inc()
-                metrics.request_seconds.labels(path).observe(seconds)
-            log.info(json.dumps({"method": request.method, "path": path, "status": status,
-                                 "ms": round(1000 * seconds, 1)}))
-
-        try:
-            response = await call_next(request)
-        except Exception:  # no handler answered it: the outermost middleware turns it into a 500
-            record(500)
-            raise
-        record(response.status_code)
-        return response
+    app.add_middleware(AccessLog)  # outermost of ours: it times and logs all of a request
 
     def _error(request: Request, status: int, detail, headers=None) -> JSONResponse:
         status, body = _error_body(request.url.path, status, detail)

@@ -20,25 +20,15 @@ database's id and a generation each start raises), since a database deletes the 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from lethe.heads.io import atomic_write, atomic_write_text, crash_point
+from lethe.heads.io import atomic_write, atomic_write_text, crash_point, sha256_file
 
-CHUNK = 1 << 20
 OWNER = ".lethe-owner"  # in the store's root: "<database id> <generation>" of the database whose rows name its blobs
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class BlobMissing(FileNotFoundError):

@@ -99,12 +99,25 @@ def submit(request: Request, prompt: str, params: SamplingParams, resolved: Reso
 
 
 async def complete(request: Request, prompt: str, params: SamplingParams, resolved: Resolved) -> Completion:
+    """The whole answer. A client that leaves first stops its row at the next step, as a stream's does: Starlette
+    tells a handler that returns one response nothing, so the disconnect is watched for while the row decodes."""
     pending = submit(request, prompt, params, resolved)
+    watcher = asyncio.ensure_future(_stop_when_gone(request, pending))
     try:
         return await asyncio.wrap_future(pending.future)
     except asyncio.CancelledError:
         pending.cancelled.set()
         raise
+    finally:
+        watcher.cancel()
+
+
+async def _stop_when_gone(request: Request, pending: Pending, every: float = 0.25) -> None:
+    while not pending.future.done():
+        if await request.is_disconnected():
+            pending.cancelled.set()
+            return
+        await asyncio.sleep(every)
 
 
 def stream(request: Request, choices: list[tuple[str | list[int], SamplingParams, Resolved]],

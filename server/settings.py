@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, FilePath
+from pydantic import Field, FilePath, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "heads" / "demo" / "assets" / "model"
@@ -62,8 +62,14 @@ class Settings(BaseSettings):
                                                                   "model as loaded) or `llamacpp` (llama.cpp on the "
                                                                   "GGUF file: its quantized weights, several times "
                                                                   "faster on a CPU; no ASU adapters).")
-    gguf: FilePath | None = Field(None, description="The GGUF file the llama.cpp engine decodes (default: the model, "
-                                                    "when it is a GGUF file).")
+    gguf: Path | None = Field(None, description="The GGUF file the llama.cpp engine decodes (default: the model, "
+                                                "when it is a GGUF file).")
+
+    @model_validator(mode="after")
+    def _gguf_needs_llamacpp(self):
+        if self.gguf is not None and self.engine != "llamacpp":
+            raise ValueError("gguf names the file the llama.cpp engine decodes: give engine llamacpp too")
+        return self
 
 
 def read_config(path: Path) -> dict:

@@ -161,3 +161,47 @@ def test_bench_engine_times_the_llama_cpp_engine_beside_llama_cpp(llama, tmp_pat
     assert all("error" not in r for r in result["llama_cpp"]["single_stream"]), "this build runs every mode"
     same = result["equality_lethe_llamacpp"]
     assert same["batched_vs_alone"]["equal"] == 8 and same["vs_llama_cpp"]["equal"] == 8, same
+
+
+def test_the_gguf_file_must_be_the_models_own(real_lm, llama, tmp_path):
+    """The llama.cpp engine decodes the model's own GGUF file, or the file its prepared directory came from:
+    another file is refused in one line before any model loads, even one with the same name (by sha256, or for a
+    directory prepared before the sha256 was recorded, by the weights' fingerprint)."""
+    import dataclasses
+    import json
+
+    from pydantic import ValidationError
+
+    from lethe.heads.decoding.llamacpp import LlamaCppError, gguf_for, open_gguf
+    from lethe.server.settings import Settings
+    from test_real_model import REAL_MODEL
+
+    with pytest.raises(LlamaCppError, match="decodes a GGUF file"):
+        gguf_for(REAL_MODEL, None)
+    with pytest.raises(LlamaCppError, match="no such file"):
+        gguf_for(REAL_MODEL, tmp_path / "missing.gguf")
+    with pytest.raises(LlamaCppError, match="not a .gguf file"):
+        gguf_for(REAL_MODEL, REAL_MODEL / "config.json")
+    assert gguf_for(REAL_GGUF, None) == (REAL_GGUF, False) and gguf_for(REAL_GGUF, REAL_GGUF)[0] == REAL_GGUF
+    # same name, other weights: a byte of the tensor data changed
+    other = tmp_path / "other" / REAL_GGUF.name
+    other.parent.mkdir()
+    data = bytearray(REAL_GGUF.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    other.write_bytes(bytes(data))
+    with pytest.raises(LlamaCppError, match="another sha256"):
+        gguf_for(REAL_MODEL, other)
+    # a directory prepared before the sha256 was recorded: the weights are compared
+    old = tmp_path / "old-prepared"
+    old.mkdir()
+    for f in REAL_MODEL.iterdir():
+        if f.name != "lethe_model.json":
+            (old / f.name).symlink_to(f)
+    record = json.loads((REAL_MODEL / "lethe_model.json").read_text())
+    record.pop("source_sha256", None)
+    (old / "lethe_model.json").write_text(json.dumps(record))
+    assert gguf_for(old, other) == (other, True)
+    with pytest.raises(LlamaCppError, match="its weights are not those"):
+        open_gguf(dataclasses.replace(real_lm, path=old), other, 1, 64)
+    with pytest.raises(ValidationError, match="give engine llamacpp"):
+        Settings(gguf=REAL_GGUF)

@@ -128,3 +128,30 @@ def test_llama_cpp_decodes_in_a_process_of_its_own_the_same_alone_and_batched(re
     # kernels: the AMX wheel's did, the builds without AMX begin "L'Étoile".)
     answer = batched["answers"][0]
     assert answer and answer == alone["tokens"][0][:len(answer)]
+
+
+def test_a_client_that_leaves_before_a_whole_answer_stops_its_row(real_lm, tmp_path):
+    """A plain (not streamed) request whose client goes away: its row stops within a step or two, as a stream's
+    does, instead of decoding all its max_new_tokens for nobody (at about 20 tokens/s, 400 tokens take 20 s)."""
+    import re
+    import time
+
+    import httpx
+
+    from live_server import running_server
+
+    def generated(url) -> float:
+        text = httpx.get(url + "/metrics").text
+        return float(re.search(r"^lethe_generated_tokens_total (\S+)", text, re.M).group(1))
+
+    with running_server(real_lm, tmp_path) as url:
+        # first a short answer: the engine has warmed up (its kernels compiled) when the long one arrives
+        assert httpx.post(url + "/generate", json={"prompt": "Hi", "max_new_tokens": 2}, timeout=60).status_code == 200
+        before = generated(url)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": "base", "prompt": "Once upon a time", "max_tokens": 400,
+                                                      "min_tokens": 400, "temperature": 0}, timeout=1.0)
+        left = time.perf_counter()
+        while generated(url) == before and time.perf_counter() - left < 15:
+            time.sleep(0.1)
+        assert 0 < generated(url) - before < 100, "the row decoded on after its client left"

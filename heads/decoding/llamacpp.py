@@ -44,8 +44,9 @@ def _library():
         # (levels none, info, warn, debug, continued) to debug
         @llama_cpp.llama_log_callback
         def _log_callback(level, text, user_data):
-            log.log(logging.ERROR if level == 3 else logging.DEBUG, "llama.cpp: %s",
-                    text.decode("utf-8", "replace").rstrip())
+            line = text.decode("utf-8", "replace").rstrip()
+            benign = "pooling_type" in line  # our own choice: the final states of every token, no pooling
+            log.log(logging.ERROR if level == 3 and not benign else logging.DEBUG, "llama.cpp: %s", line)
 
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     return llama_cpp
@@ -213,28 +214,60 @@ class LlamaRows:
         self.close()
 
 
-def open_gguf(lm, gguf: str | Path | None, rows: int, context: int | None) -> LlamaCppModel:
-    """The llama.cpp model for a loaded model `lm` (`heads.modelio.LoadedModel`): `gguf`, or `lm` itself when it
-    was loaded from a GGUF file. A prepared directory (`lethe models prepare`) must name the file it came from.
-    `context`: tokens per row (default the model's, at most 2048: llama.cpp reserves every row's KV cache)."""
+def gguf_for(model: str | Path, gguf: str | Path | None) -> tuple[Path, bool]:
+    """The GGUF file the llama.cpp engine decodes for `model` (a GGUF file, or a directory prepared from one) and
+    `--gguf`; cheap checks only, so a wrong file fails before any model loads. Returns (file, whether its weights
+    must still be compared with the model's by fingerprint: a directory prepared before Lethe recorded the
+    source's sha256)."""
     import json
 
+    from lethe.heads.io import sha256_file
     from lethe.heads.modelio import PREPARED, gguf_file
 
-    own = gguf_file(lm.path) if Path(lm.path).exists() else None
-    file = Path(gguf) if gguf is not None else own
+    _library()  # llama-cpp-python importable
+    model = Path(model)
+    own = gguf_file(model) if model.exists() else None
+    if gguf is None:
+        if own is None:
+            raise LlamaCppError(f"{model}: the llama.cpp engine decodes a GGUF file; give the .gguf file as the "
+                                "model, or name it with --gguf")
+        return own, False
+    file = gguf_file(gguf) if Path(gguf).exists() else None
+    if not Path(gguf).exists():
+        raise LlamaCppError(f"--gguf {gguf}: no such file")
     if file is None:
-        raise LlamaCppError(f"{lm.path}: the llama.cpp engine decodes a GGUF file; serve the .gguf file itself, "
-                            "or name it with --gguf")
-    if own is None:  # a directory: it must be this file's prepared copy, or heads would meet other weights
-        record = Path(lm.path) / PREPARED
-        source = json.loads(record.read_text()).get("source") if record.is_file() else None
-        if source != file.name:
-            raise LlamaCppError(f"{file}: {lm.path} was not prepared from this file ("
-                                + (f"it names {source}" if source else "it is not a prepared GGUF directory")
-                                + "); serve the .gguf file itself, or its prepared directory")
-    elif own.resolve() != file.resolve():
-        raise LlamaCppError(f"{file}: the model is {own}; --gguf must name the same file")
+        raise LlamaCppError(f"--gguf {gguf}: not a .gguf file, nor a directory holding one")
+    if own is not None:
+        if own.resolve() != file.resolve():
+            raise LlamaCppError(f"--gguf {file}: the model is {own}; --gguf must name the same file, or be left out")
+        return file, False
+    record = model / PREPARED  # a directory: it must be this file's prepared copy, or heads would meet other weights
+    prepared = json.loads(record.read_text()) if record.is_file() else {}
+    if prepared.get("source") != file.name:
+        raise LlamaCppError(f"--gguf {file}: {model} was not prepared from this file ("
+                            + (f"it names {prepared['source']}" if prepared.get("source") else
+                               "it is not a prepared GGUF directory") + ")")
+    if "source_sha256" not in prepared:
+        return file, True
+    if sha256_file(file) != prepared["source_sha256"]:
+        raise LlamaCppError(f"--gguf {file}: not the file {model} was prepared from (another sha256), though it "
+                            "has its name")
+    return file, False
+
+
+def open_gguf(lm, gguf: str | Path | None, rows: int, context: int | None) -> LlamaCppModel:
+    """The llama.cpp model for a loaded model `lm` (`heads.modelio.LoadedModel`): `gguf`, or `lm` itself when it
+    was loaded from a GGUF file (`gguf_for`). `context`: tokens per row (default the model's, at most 2048:
+    llama.cpp reserves every row's KV cache)."""
+    file, compare = gguf_for(lm.path, gguf)
+    if compare:  # a directory prepared by an older Lethe: the file's weights, dequantised, against the model's
+        from lethe.heads.modelio import load_model
+
+        log.warning("%s records no sha256 of its source; comparing %s's weights (prepare it again to skip this)",
+                    lm.path, file)
+        if load_model(file).fingerprint != lm.fingerprint:
+            raise LlamaCppError(f"--gguf {file}: its weights are not those of {lm.path}, though it has the name of "
+                                "the file that was prepared from")
     own_context = int(getattr(lm.model.config, "max_position_embeddings", 2048))
     return LlamaCppModel(file, lm.model.config, getattr(lm.model, "generation_config", None), rows,
                          min(own_context, context or 2048))
