@@ -47,31 +47,40 @@ def _prompts(tok, countries):
 
 
 def test_a_row_decodes_in_a_batch_and_joining_one_as_it_would_alone(real_lm, llama, capitals_head):
-    """Rows with their own heads, settings and sampling, one joining after three steps: each row's tokens and
-    log-probabilities are those it gets decoded alone, and every llama.cpp sequence is free afterwards."""
+    """Rows with their own heads, settings and sampling, one joining after three steps and one in the sequence a
+    finished row left (so the batch's sequences are out of order): each row's tokens and log-probabilities are
+    those it gets decoded alone, and every llama.cpp sequence is free afterwards."""
     from lethe.heads.decoding.decode import Batch, generate
     from lethe.heads.decoding.sampling import SamplingParams
     from lethe.heads.t3.guide import HeadGuide, TiltSettings
 
     tok = real_lm.tokenizer
-    prompts = _prompts(tok, ["France", "Japan", "Italy"])
-    params = [SamplingParams(max_new_tokens=12, temperature=0, logprobs=2),
+    prompts = _prompts(tok, ["France", "Japan", "Italy", "Norway"])
+    params = [SamplingParams(max_new_tokens=4, temperature=0, logprobs=2),
               SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
-              SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=1)]
-    rows = [(capitals_head, TiltSettings()), None, (capitals_head, TiltSettings.from_dict({"T": 1.5, "lam": 2.0}))]
+              SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=1),
+              SamplingParams(max_new_tokens=12, temperature=0)]
+    rows = [(capitals_head, TiltSettings()), None, (capitals_head, TiltSettings.from_dict({"T": 1.5, "lam": 2.0})),
+            (capitals_head, TiltSettings())]
     alone = [generate(llama, tok, [p], [s], HeadGuide([r]) if r else None)[0] for p, s, r in zip(prompts, params, rows)]
     batch = Batch(llama, tok, prompts[:2], params[:2], HeadGuide(rows[:2]))
     for _ in range(3):
         batch.step()
-    joining = Batch(llama, tok, prompts[2:], params[2:], HeadGuide(rows[2:]))
-    assert batch.can_merge() and joining.can_merge()
-    batch.merge(joining)
-    rows = list(batch.rows)  # finished rows leave the batch (compact): keep them to read their answers
+    kept = list(batch.rows)  # finished rows leave the batch (compact): keep them to read their answers
+    for i in (2, 3):  # the first joins after 3 steps; the second once the first row has left, in its sequence
+        while i == 3 and len(batch.rows) == 3:
+            batch.step()
+            batch.compact()
+        joining = Batch(llama, tok, prompts[i:i + 1], params[i:i + 1], HeadGuide(rows[i:i + 1]))
+        assert batch.can_merge() and joining.can_merge()
+        batch.merge(joining)
+        kept += joining.rows
+    assert batch.runner.seqs == [1, 2, 0], "the last row took the first row's sequence: out of order"
     while not batch.done:
         batch.step()
         batch.compact()
     batch.close()
-    together = [r.completion() for r in rows]
+    together = [r.completion() for r in kept]
     assert len(together) == len(alone)
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids and a.text == b.text

@@ -108,7 +108,7 @@ class LlamaCppModel:
         with self.lock:
             for s in seqs:
                 self.L.llama_memory_seq_rm(self.memory, s, -1, -1)
-            self.free += seqs
+            self.free = sorted(self.free + seqs)  # the lowest first: rows taken together are in order
 
     def decode(self, items: list[tuple[int, int, int]], wanted: list[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,8 +187,16 @@ class LlamaRows:
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row at its next position; returns the rows' new final hidden states (B, d)."""
-        items = [(t, p, s) for t, p, s in zip(tokens.tolist(), self.positions, self.seqs)]
-        self._logits, hidden = self.model.decode(items)
+        tokens = tokens.tolist()
+        # fed in the order of their sequences: llama.cpp decoded a batch of 8 rows at 80 tokens/s with its
+        # sequences out of order, 103 in order (`free` is kept sorted too, so a batch's rows start in order)
+        order = sorted(range(len(self.seqs)), key=self.seqs.__getitem__)
+        logits, hidden = self.model.decode([(tokens[i], self.positions[i], self.seqs[i]) for i in order])
+        if order != list(range(len(order))):
+            back = torch.empty(len(order), dtype=torch.long)
+            back[order] = torch.arange(len(order))
+            logits, hidden = logits[back], hidden[back]
+        self._logits = logits
         self.positions = [p + 1 for p in self.positions]
         return hidden
 
