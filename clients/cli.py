@@ -103,18 +103,19 @@ def cmd_serve(args) -> int:
         raise UsageError("--replicas and --ray-address need --ray")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
     _check_store(settings)
+    checked = None
     if settings.engine == "llamacpp":
         from lethe.heads.decoding.llamacpp import gguf_for
 
-        gguf_for(settings.model, settings.gguf)  # the build and the file, before the model loads
+        checked = gguf_for(settings.model, settings.gguf)  # the build and the file, before the model loads
     lm = load_model(settings.model, settings.device, settings.dtype)
     if settings.chat_template is not None:  # a template that does not render fails here, before any key is made
         use_chat_template(lm.tokenizer, settings.chat_template)
     decoder = None
-    if settings.engine == "llamacpp":  # here, so a file that will not do fails in one line
+    if checked is not None:  # opened here, so weights that are not the model's fail in one line
         from lethe.heads.decoding.llamacpp import open_gguf
 
-        decoder = open_gguf(lm, settings.gguf, settings.max_batch_size, settings.max_model_len)
+        decoder = open_gguf(lm, settings.gguf, settings.max_batch_size, settings.max_model_len, checked)
     print(f"lethe: serving {settings.model} on http://{settings.host}:{settings.port} "
           f"(data in {settings.data_dir.resolve()}; engine {settings.engine})", flush=True)
     config = uvicorn.Config(create_app(settings, lm, decoder=decoder), host=settings.host, port=settings.port,

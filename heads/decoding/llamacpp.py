@@ -240,9 +240,9 @@ def gguf_for(model: str | Path, gguf: str | Path | None) -> tuple[Path, bool]:
             raise LlamaCppError(f"{model}: the llama.cpp engine decodes a GGUF file; give the .gguf file as the "
                                 "model, or name it with --gguf")
         return own, False
-    file = gguf_file(gguf) if Path(gguf).exists() else None
     if not Path(gguf).exists():
         raise LlamaCppError(f"--gguf {gguf}: no such file")
+    file = gguf_file(gguf)
     if file is None:
         raise LlamaCppError(f"--gguf {gguf}: not a .gguf file, nor a directory holding one")
     if own is not None:
@@ -263,11 +263,13 @@ def gguf_for(model: str | Path, gguf: str | Path | None) -> tuple[Path, bool]:
     return file, False
 
 
-def open_gguf(lm, gguf: str | Path | None, rows: int, context: int | None) -> LlamaCppModel:
+def open_gguf(lm, gguf: str | Path | None, rows: int, context: int | None,
+              checked: tuple[Path, bool] | None = None) -> LlamaCppModel:
     """The llama.cpp model for a loaded model `lm` (`heads.modelio.LoadedModel`): `gguf`, or `lm` itself when it
-    was loaded from a GGUF file (`gguf_for`). `context`: tokens per row (default the model's, at most 2048:
-    llama.cpp reserves every row's KV cache)."""
-    file, compare = gguf_for(lm.path, gguf)
+    was loaded from a GGUF file (`gguf_for`; `checked`: its answer, where the caller asked it before loading `lm`,
+    so the file is not hashed twice). `context`: tokens per row (default the model's, at most 2048: llama.cpp
+    reserves every row's KV cache)."""
+    file, compare = checked or gguf_for(lm.path, gguf)
     if compare:  # a directory prepared by an older Lethe: the file's weights, dequantised, against the model's
         from lethe.heads.modelio import load_model
 
