@@ -29,8 +29,8 @@ from typing import Any, Generic, Self, TypeVar, cast
 import httpx
 from pydantic import TypeAdapter
 
-from lethe.server.protocol import (ASUOut, DatasetOut, GenerateResponse, HeadOut, JobOut, KeyInfo, ProfileOut, TenantInfo,
-                                   TenantOut)
+from lethe.server.protocol import (ASUOut, AuditEntry, DatasetOut, EnforcedProfile, GenerateResponse, HeadOut, JobOut,
+                                   KeyInfo, ProfileOut, TenantInfo, TenantOut)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 T = TypeVar("T")
@@ -122,6 +122,8 @@ class _Request(Generic[T]):
         _raise_for(response)
         if response.status_code == 204 or not response.content:
             return cast(T, None)  # the deletes: 204, no body
+        if self.answer is _TEXT:  # a page (the forgetting report), as sent
+            return cast(T, response.text)
         return self.answer.validate_python(response.json())
 
 
@@ -133,7 +135,10 @@ _ASU, _ASUS = TypeAdapter(ASUOut), TypeAdapter(list[ASUOut])
 _JOB, _JOBS = TypeAdapter(JobOut), TypeAdapter(list[JobOut])
 _PROFILE, _PROFILES = TypeAdapter(ProfileOut), TypeAdapter(list[ProfileOut])
 _TENANT, _TENANTS = TypeAdapter(TenantOut), TypeAdapter(list[TenantInfo])
-_KEYS = TypeAdapter(list[KeyInfo])
+_KEYS, _KEY = TypeAdapter(list[KeyInfo]), TypeAdapter(KeyInfo)
+_ENFORCED = TypeAdapter(EnforcedProfile)
+_AUDIT = TypeAdapter(list[AuditEntry])
+_TEXT = TypeAdapter(str)
 _GENERATED = TypeAdapter(GenerateResponse)
 
 
@@ -276,8 +281,34 @@ class _Requests:
         return _Request("POST", "/admin/tenants", _TENANT, {"json": {"name": name}})
 
     @staticmethod
-    def create_key(tenant: str) -> _Request[TenantOut]:
-        return _Request("POST", f"/admin/tenants/{tenant}/keys", _TENANT)
+    def create_key(tenant: str, scopes: list[str] | None = None, profile: str | None = None) -> _Request[TenantOut]:
+        body = {k: v for k, v in (("scopes", scopes), ("profile", profile)) if v is not None}
+        return _Request("POST", f"/admin/tenants/{tenant}/keys", _TENANT, {"json": body} if body else {})
+
+    @staticmethod
+    def update_key(tenant: str, key_id: str, scopes: list[str] | None, profile: str | None) -> _Request[KeyInfo]:
+        body = {k: v for k, v in (("scopes", scopes), ("profile", profile)) if v is not None}
+        return _Request("PATCH", f"/admin/tenants/{tenant}/keys/{key_id}", _KEY, {"json": body})
+
+    @staticmethod
+    def enforce_profile(profile: str | None, tenant: str | None = None) -> _Request[EnforcedProfile]:
+        path = f"/admin/tenants/{tenant}/enforced-profile" if tenant else "/v1/enforced-profile"
+        return _Request("PUT", path, _ENFORCED, {"json": {"profile": profile}})
+
+    @staticmethod
+    def enforced_profile() -> _Request[EnforcedProfile]:
+        return _Request("GET", "/v1/enforced-profile", _ENFORCED)
+
+    # compliance
+    @staticmethod
+    def audit(filters: dict[str, Any]) -> _Request[list[AuditEntry]]:
+        return _Request("GET", "/v1/audit", _AUDIT, {"params": {k: v for k, v in filters.items() if v is not None}})
+
+    @staticmethod
+    def report(name: str, version: int | None, as_json: bool = False) -> _Request[Any]:
+        params = {"version": version, "format": "json" if as_json else None}
+        return _Request("GET", f"/v1/profiles/{name}/report", _JSON if as_json else _TEXT,
+                        {"params": {k: v for k, v in params.items() if v is not None}})
 
     @staticmethod
     def list_tenants() -> _Request[list[TenantInfo]]:
@@ -454,8 +485,36 @@ class Lethe:
     def create_tenant(self, name: str) -> TenantOut:
         return self._send(_r.create_tenant(name))
 
-    def create_key(self, tenant: str) -> TenantOut:
-        return self._send(_r.create_key(tenant))
+    def create_key(self, tenant: str, scopes: list[str] | None = None, profile: str | None = None) -> TenantOut:
+        """Admin: a further key, with `scopes` (default every scope) and bound to `profile` or not."""
+        return self._send(_r.create_key(tenant, scopes, profile))
+
+    def update_key(self, tenant: str, key_id: str, scopes: list[str] | None = None,
+                   profile: str | None = None) -> KeyInfo:
+        """Admin: a key's new scopes and binding (omitted: every scope; unbound)."""
+        return self._send(_r.update_key(tenant, key_id, scopes, profile))
+
+    def enforce_profile(self, profile: str | None, tenant: str | None = None) -> EnforcedProfile:
+        """Make every generation of the tenant use `profile` (None lifts it): the caller's tenant, or with the
+        admin key the tenant named."""
+        return self._send(_r.enforce_profile(profile, tenant))
+
+    def enforced_profile(self) -> EnforcedProfile:
+        return self._send(_r.enforced_profile())
+
+    def audit(self, profile: str | None = None, since: float | None = None, until: float | None = None,
+              action: str | None = None, tenant: str | None = None, limit: int | None = None) -> list[AuditEntry]:
+        """The audit trail, oldest first (the caller's tenant's; with the admin key every tenant's, or `tenant`'s)."""
+        return self._send(_r.audit({"profile": profile, "since": since, "until": until, "action": action,
+                                    "tenant": tenant, "limit": limit}))
+
+    def report(self, name: str, version: int | None = None) -> str:
+        """The forgetting report of a profile version (default: the current one), as an HTML page."""
+        return self._send(_r.report(name, version))
+
+    def report_data(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The same report as the data the page embeds, with its `digest`."""
+        return self._send(_r.report(name, version, as_json=True))
 
     def list_tenants(self) -> list[TenantInfo]:
         return self._send(_r.list_tenants())
@@ -622,8 +681,30 @@ class AsyncLethe:
     async def create_tenant(self, name: str) -> TenantOut:
         return await self._send(_r.create_tenant(name))
 
-    async def create_key(self, tenant: str) -> TenantOut:
-        return await self._send(_r.create_key(tenant))
+    async def create_key(self, tenant: str, scopes: list[str] | None = None, profile: str | None = None) -> TenantOut:
+        return await self._send(_r.create_key(tenant, scopes, profile))
+
+    async def update_key(self, tenant: str, key_id: str, scopes: list[str] | None = None,
+                         profile: str | None = None) -> KeyInfo:
+        return await self._send(_r.update_key(tenant, key_id, scopes, profile))
+
+    async def enforce_profile(self, profile: str | None, tenant: str | None = None) -> EnforcedProfile:
+        return await self._send(_r.enforce_profile(profile, tenant))
+
+    async def enforced_profile(self) -> EnforcedProfile:
+        return await self._send(_r.enforced_profile())
+
+    async def audit(self, profile: str | None = None, since: float | None = None, until: float | None = None,
+                    action: str | None = None, tenant: str | None = None,
+                    limit: int | None = None) -> list[AuditEntry]:
+        return await self._send(_r.audit({"profile": profile, "since": since, "until": until, "action": action,
+                                          "tenant": tenant, "limit": limit}))
+
+    async def report(self, name: str, version: int | None = None) -> str:
+        return await self._send(_r.report(name, version))
+
+    async def report_data(self, name: str, version: int | None = None) -> dict[str, Any]:
+        return await self._send(_r.report(name, version, as_json=True))
 
     async def list_tenants(self) -> list[TenantInfo]:
         return await self._send(_r.list_tenants())

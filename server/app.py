@@ -22,10 +22,10 @@ from starlette.requests import ClientDisconnect
 
 from lethe.heads.modelio import LoadedModel, load_model
 from lethe.server import __version__
-from lethe.server import openai_api, routes
-from lethe.server.auth import optional_tenant
+from lethe.server import compliance, openai_api, routes
+from lethe.server.auth import Caller, generating, is_admin, optional_tenant
 from lethe.server.engine import Engine, QueueFull
-from lethe.server.generation import admit, check_token_ids, complete, stream
+from lethe.server.generation import admit, check_policy, check_token_ids, complete, stream
 from lethe.server.jobs import JobRunner
 from lethe.server.metrics import Metrics
 from lethe.server.profiles import AdapterCache, HeadCache
@@ -241,6 +241,18 @@ def clean_temporary_files(store: Store) -> int:
     return removed
 
 
+def check_served_name(store: Store, served: str | None) -> None:
+    """`--served-model-name` must not be a tenant's profile name (the base model would answer under the name a
+    tenant's users ask for to get their profile): a ValueError naming both."""
+    if not served:
+        return
+    clash = store.q("SELECT t.name AS tenant, p.name AS profile FROM profiles p JOIN tenants t ON t.id = p.tenant_id "
+                    "WHERE lower(p.name) = lower(?) ORDER BY t.name LIMIT 1", served)
+    if clash:
+        raise ValueError(f"--served-model-name {served!r} is the name of tenant {clash[0]['tenant']!r}'s profile "
+                         f"{clash[0]['profile']!r}: choose another served name")
+
+
 def use_chat_template(tokenizer, path: Path) -> None:
     """Serve with the Jinja chat template in `path`, tried on a short chat first: a template that does not render
     fails the start, naming the file, rather than every chat request."""
@@ -264,6 +276,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
     async def lifespan(app: FastAPI):
         model = lm or load_model(settings.model, settings.device, settings.dtype)
         store = Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache)
+        check_served_name(store, settings.served_model_name)
         removed = clean_temporary_files(store)
         if removed:
             log.warning("removed %d files left by an interrupted write", removed)
@@ -300,6 +313,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
     app.add_middleware(BoundedBody, settings=settings)
     app.include_router(routes.router)
     app.include_router(openai_api.router)
+    app.include_router(compliance.router)
     app.add_middleware(AccessLog)  # outermost of ours: it times and logs all of a request
 
     def _error(request: Request, status: int, detail, headers=None) -> JSONResponse:
@@ -382,15 +396,23 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:
-        """Prometheus metrics."""
-        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus metrics, for the admin key; for anyone where LETHE_METRICS_PUBLIC is set, less what tells of
+        tenants' activity (jobs and profile use), which stays the admin key's."""
+        admin_asks = is_admin(request)
+        if not admin_asks and not request.app.state.settings.metrics_public:
+            raise StarletteHTTPException(403, "metrics need the admin key (or a server started with "
+                                              "LETHE_METRICS_PUBLIC=true)")
+        registry = request.app.state.metrics.registry if admin_asks else request.app.state.metrics.public
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/generate", response_model=GenerateResponse, tags=["generation"])
-    async def generate(body: GenerateRequest, request: Request, tenant_id: str | None = Depends(optional_tenant)):
-        """Generate text; `profile` picks an unlearning profile (a name, `base`, or an inline spec)."""
+    async def generate(body: GenerateRequest, request: Request, caller: Caller | None = Depends(generating)):
+        """Generate text; `profile` picks an unlearning profile (a name, `base`, or an inline spec); a key bound
+        to a profile, or a tenant's enforced profile, decides it instead."""
         profile = body.profile.spec() if hasattr(body.profile, "spec") else body.profile
         params = body.sampling()
-        resolved, _ = await admit(request, tenant_id, body.prompt, params, profile)
+        profile = check_policy(caller, profile, params, "profile")
+        resolved, _ = await admit(request, caller, body.prompt, params, profile)
         used = ProfileUsed(name=resolved.name, version=resolved.version)
 
         def response(c) -> GenerateResponse:

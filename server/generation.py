@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lethe.heads.decoding.decode import Completion
 from lethe.heads.decoding.sampling import SamplingParams
+from lethe.server.auth import Caller
 from lethe.server.engine import Engine, Pending
 from lethe.server.profiles import ProfileError, Resolved, resolve
 
@@ -31,16 +32,36 @@ def check_token_ids(tokenizer, ids: list[int], field: str, status: int) -> None:
         raise field_error(field, f"token {bad} is not in the vocabulary of {vocab}", status)
 
 
-async def admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
+def check_policy(caller: Caller | None, profile, params: SamplingParams, profile_field: str,
+                 untilted_field: str = "untilted_logprobs"):
+    """The profile this caller's request decodes with (`Caller.profile_for`: a binding or an enforced profile
+    overrides what was asked, or refuses it with 403), and untilted numbers refused (403 naming the field) unless
+    the key may see them. Anonymous callers get the base model only (`resolve` refuses a profile without a key)."""
+    if params.untilted_logprobs and (caller is None or not caller.may_see_untilted()):
+        why = ("anonymous callers" if caller is None else "keys bound to a profile or under an enforced profile"
+               if caller.rule is not None else f"API key {caller.key_id}, which lacks the `evaluate` scope")
+        raise field_error(untilted_field, "the base model's untilted log-probabilities are only for keys with the "
+                                          f"`evaluate` scope and no profile imposed on them, not for {why}", 403)
+    if caller is None:
+        return profile
+    try:
+        return caller.profile_for(profile)
+    except HTTPException as e:
+        raise field_error(profile_field, e.detail, e.status_code) from None
+
+
+async def admit(request: Request, caller: Caller | None, prompt: str, params: SamplingParams, profile,
                 fields: tuple[str, str] = ("prompt", "max_new_tokens")) -> tuple[Resolved, int]:
     """Check the request against the limits and resolve its profile, pinning the version (and any adapter)
     now. Tokenizing, reading a head file and attaching an adapter run in a worker thread, never on the event
-    loop, so no request can stall the others' streams or /healthz."""
-    return await run_in_threadpool(_admit, request, tenant, prompt, params, profile, fields)
+    loop, so no request can stall the others' streams or /healthz. `profile` is what the caller may use
+    (`check_policy` first)."""
+    return await run_in_threadpool(_admit, request, caller, prompt, params, profile, fields)
 
 
-def _admit(request: Request, tenant: str | None, prompt: str, params: SamplingParams, profile,
+def _admit(request: Request, caller: Caller | None, prompt: str, params: SamplingParams, profile,
            fields: tuple[str, str]) -> tuple[Resolved, int]:
+    tenant = caller.tenant_id if caller is not None else None
     app = request.app
     engine: Engine = app.state.engine
     limit = app.state.settings.max_new_tokens_limit

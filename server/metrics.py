@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
+
+# no `_created` series: a counter's creation time would tell when a kind of activity (a first profile request, a
+# first job) began
+disable_created_metrics()
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -41,6 +45,13 @@ class Metrics:
                                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.job_seconds = Histogram("lethe_job_duration_seconds", "Training job durations", ["kind", "status"],
                                      buckets=(1, 5, 15, 60, 300, 1800), registry=r)
+        # what anyone may read where LETHE_METRICS_PUBLIC is on: serving load, not tenants' activity (jobs, profile
+        # use); the admin key reads `registry`, all of it
+        self.public = CollectorRegistry()
+        for collector in (self.requests, self.tokens, self.queue_depth, self.batch_size, self.request_seconds,
+                          self.first_token_seconds, self.running_rows):
+            self.public.register(collector)
+        ProcessCollector(registry=self.public)
 
     def count_profile(self, resolved) -> None:
         self.profile_requests.labels(profile_kind(resolved)).inc()

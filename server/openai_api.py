@@ -31,8 +31,8 @@ from lethe.heads.decoding.logprobs import TokenLogprob, token_bytes
 from lethe.heads.records import PROMPT_FORMAT
 from lethe.heads.decoding.sampling import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K,
                                            SamplingParams)
-from lethe.server.auth import optional_tenant
-from lethe.server.generation import admit, check_token_ids, complete, field_error, stream
+from lethe.server.auth import Caller, generating
+from lethe.server.generation import admit, check_policy, check_token_ids, complete, field_error, stream
 from lethe.server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
@@ -119,11 +119,13 @@ class OpenAIRequest(ValidText):
                 raise field_error(name, f"{name} is not supported by this server", 400)
 
     def profile(self, served: str | None = None) -> str | None:
-        """The profile asked for: `unlearning_profile`, else `model` unless it names the base model (`base`, or the
-        operator's --served-model-name)."""
+        """The profile asked for: `unlearning_profile`, else `model`: `base` where it names the base model (`base`,
+        or the operator's --served-model-name), None where it is empty."""
         if self.unlearning_profile:
             return self.unlearning_profile
-        return None if self.model in ("base", "") or self.model == served else self.model
+        if not self.model:
+            return None
+        return "base" if self.model == "base" or self.model == served else self.model
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(alternatives per new token, alternatives per prompt token); None: no log-probabilities."""
@@ -227,17 +229,18 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
 Choice = tuple[int, "str | list[int]", SamplingParams, object]  # (index, prompt, settings, resolved profile)
 
 
-async def _admit_choices(request: Request, tenant_id: str | None, body: OpenAIRequest, prompts: list,
+async def _admit_choices(request: Request, caller: Caller | None, body: OpenAIRequest, prompts: list,
                          default_max: int, fields: tuple[str, str]) -> list[Choice]:
     """Every choice (n per prompt) admitted, its profile version pinned; all or none (a refused one gives back
-    what the others hold)."""
+    what the others hold). The profile is the one the caller may use (`generation.check_policy`)."""
     queue, rows = request.app.state.engine.queue.maxsize, request.app.state.settings.quota_rows
     if len(prompts) * body.n > min(queue, rows):  # could never be admitted together: say so, not 429 for ever
         limit = f"queue of {queue} requests" if queue <= rows else f"{rows} requests in flight per tenant"
         raise field_error("n", f"{len(prompts) * body.n} choices exceed this server's {limit}", 400)
     wanted = [(i * body.n + j, p, body.sampling(default_max, j)) for i, p in enumerate(prompts) for j in range(body.n)]
-    tasks = [asyncio.ensure_future(admit(request, tenant_id, p, params, _asked(body, request), fields))
-             for _, p, params in wanted]
+    field = "unlearning_profile" if body.unlearning_profile else "model"
+    profile = check_policy(caller, _asked(body, request), wanted[0][2], field, "lethe_untilted_logprobs")
+    tasks = [asyncio.ensure_future(admit(request, caller, p, params, profile, fields)) for _, p, params in wanted]
     try:
         await asyncio.gather(*tasks)
     except BaseException:
@@ -329,7 +332,7 @@ def _echoed(request: Request, prompt) -> str:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, response: Response,
-                      tenant_id: str | None = Depends(optional_tenant)):
+                      caller: Caller | None = Depends(generating)):
     """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
     prompts = body.check_prompts(request.app.state.engine.lm.tokenizer)
     body.checks(len(prompts) * body.n)
@@ -341,7 +344,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     default_max = 16 if body.max_tokens is not None else _default_max(request, max(prompts, key=len), 16)
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
-    choices = await _admit_choices(request, tenant_id, body, prompts, default_max, ("prompt", "max_tokens"))
+    choices = await _admit_choices(request, caller, body, prompts, default_max, ("prompt", "max_tokens"))
     used, headers = _profile(choices[0][3])
     echoes = {i: _echoed(request, p) if body.echo else "" for i, p, _, _ in choices}
 
@@ -394,7 +397,7 @@ def _stream_usage(body: OpenAIRequest, done: list[Completion], envelope) -> list
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request, response: Response,
-                           tenant_id: str | None = Depends(optional_tenant)):
+                           caller: Caller | None = Depends(generating)):
     """OpenAI-compatible chat; the tokenizer's chat template, else the Question/Answer format."""
     body.checks(body.n)
     body.logprob_counts()  # top_logprobs without logprobs is refused before anything is admitted
@@ -403,7 +406,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
     default_max = 64 if body.max_tokens else _default_max(request, prompt, 64)
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    choices = await _admit_choices(request, tenant_id, body, [prompt], default_max, ("messages", "max_tokens"))
+    choices = await _admit_choices(request, caller, body, [prompt], default_max, ("messages", "max_tokens"))
     used, headers = _profile(choices[0][3])
 
     def envelope(obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
@@ -453,19 +456,25 @@ def _model(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "lethe"}
 
 
-@router.get("/v1/models")
-def models(request: Request, tenant_id: str | None = Depends(optional_tenant)):
-    """`base` and the tenant's profiles, as OpenAI models."""
+def _model_names(request: Request, caller: Caller | None) -> list[str]:
+    """What the caller may ask for: `base` (and the served name) and the tenant's profiles; only the imposed
+    profile for a key bound to one or under an enforced profile."""
+    if caller is not None and caller.rule is not None:
+        return [caller.rule[0]]
     served = request.app.state.settings.served_model_name
-    names = ["base"] + ([served] if served else []) + \
-        (request.app.state.store.profile_names(tenant_id) if tenant_id else [])
-    return {"object": "list", "data": [_model(n) for n in names]}
+    return ["base"] + ([served] if served else []) + \
+        (request.app.state.store.profile_names(caller.tenant_id) if caller is not None else [])
+
+
+@router.get("/v1/models")
+def models(request: Request, caller: Caller | None = Depends(generating)):
+    """`base` and the tenant's profiles, as OpenAI models (a bound key: its profile alone)."""
+    return {"object": "list", "data": [_model(n) for n in _model_names(request, caller)]}
 
 
 @router.get("/v1/models/{model_id}")
-def model(model_id: str, request: Request, tenant_id: str | None = Depends(optional_tenant)):
+def model(model_id: str, request: Request, caller: Caller | None = Depends(generating)):
     """One model: `base`, or one of the tenant's profiles (404 otherwise)."""
-    if model_id in ("base", request.app.state.settings.served_model_name) or \
-            (tenant_id and model_id in request.app.state.store.profile_names(tenant_id)):
+    if model_id in _model_names(request, caller):
         return _model(model_id)
     raise HTTPException(404, f"model {model_id!r} not found")

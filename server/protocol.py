@@ -7,7 +7,7 @@ added without breaking existing clients.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
@@ -245,6 +245,21 @@ class TenantInfo(BaseModel):
     name: str
     created: float
     keys: int
+    enforced_profile: str | None = Field(None, description="The profile every generation of the tenant uses.")
+
+
+Scope = Literal["manage", "generate", "evaluate"]
+
+
+class KeyRequest(Strict):
+    scopes: list[Scope] | None = Field(
+        None, min_length=1, max_length=3,
+        description="What the key may do: `manage` (datasets, heads, ASU weights, jobs, profiles, evaluation, the "
+                    "audit trail), `generate`, `evaluate` (the base model's untilted numbers beside a profile's). "
+                    "Default: all three; a key bound to a profile: `generate` alone.")
+    profile: str | None = Field(None, min_length=1, max_length=200,
+                                description="Bind the key to this profile: every generation through it uses the "
+                                            "profile's current version, whatever the request asks.")
 
 
 class KeyInfo(BaseModel):
@@ -252,6 +267,28 @@ class KeyInfo(BaseModel):
     prefix: str | None = Field(description="The key's first characters (None for keys made before release 0.2).")
     created: float
     last_used: float | None = Field(description="To the minute; None if never used.")
+    scopes: list[str] = Field(default_factory=lambda: ["manage", "generate", "evaluate"])
+    profile: str | None = Field(None, description="The profile the key is bound to (None: none).")
+
+
+class EnforcedProfile(Strict):
+    profile: str | None = Field(description="The profile every generation of every key of the tenant uses; null: "
+                                            "none (each request chooses).", max_length=200)
+
+
+class AuditEntry(BaseModel):
+    id: int
+    at: float = Field(description="Unix time of the change.")
+    tenant_id: str | None
+    tenant: str | None = Field(description="The tenant's name when the change was made.")
+    actor: str = Field(description="The acting API key's id, or `admin`.")
+    action: str = Field(description="e.g. profile.set, profile.rollback, profile.delete, key.create, key.update, "
+                                    "key.revoke, key.rotate, tenant.enforce, head.delete, weights.delete, "
+                                    "dataset.delete, tenant.create, tenant.delete")
+    target: str | None
+    profile: str | None
+    before: Any = None
+    after: Any = None
 
 
 class Health(BaseModel):

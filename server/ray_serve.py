@@ -74,13 +74,16 @@ def routing_id(store, path: str, headers: dict[str, str], body: bytes) -> str:
         profile = payload.get("profile")
     else:
         profile = payload.get("unlearning_profile") or payload.get("model")
+    key = _key(headers)
+    caller = store.caller(key) if key else None
+    imposed = caller and (caller["profile"] or caller["enforced"])
+    if imposed:  # a bound key or an enforced profile: the replica will decode with that one, whatever was asked
+        profile = imposed
     if isinstance(profile, dict):  # an inline profile names its head or weights itself
         return str(profile.get("head") or profile.get("weights") or "")
-    key = _key(headers)
-    if not isinstance(profile, str) or not profile or profile == "base" or key is None:
+    if not isinstance(profile, str) or not profile or profile == "base" or caller is None:
         return ""
-    tenant = store.tenant_for_key(key)
-    current = store.current_profile(tenant, profile) if tenant else None
+    current = store.current_profile(caller["tenant_id"], profile)
     if current is None:
         return ""
     return str(current[1].get("head") or current[1].get("weights") or "")

@@ -10,14 +10,14 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from lethe.heads.records import RecordError, parse_jsonl, unicode_problem
-from lethe.server.auth import admin, tenant
+from lethe.server.auth import actor, admin, tenant
 from lethe.server.generation import field_error
 from lethe.server.jobs import TERMINAL
 from lethe.server.profiles import ProfileError, complete_spec
-from lethe.server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EvalJobRequest, HeadJobRequest, HeadOut, JobOut,
-                             KeyInfo, ProfileOut, ProfileSpec, TenantInfo, TenantOut, TenantRequest,
-                             profile_name_problem)
-from lethe.server.storage import new_id
+from lethe.server.protocol import (ASUJobRequest, ASUOut, DatasetOut, EnforcedProfile, EvalJobRequest, HeadJobRequest,
+                                   HeadOut, JobOut, KeyInfo, KeyRequest, ProfileOut, ProfileSpec, TenantInfo, TenantOut,
+                                   TenantRequest, profile_name_problem)
+from lethe.server.storage import SCOPES, new_id
 
 router = APIRouter()
 TOFU_FIELDS = ("question", "answer", "paraphrased_answer", "perturbed_answer")
@@ -124,9 +124,7 @@ def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(t
     users = store.users_of(tenant_id, "dataset", dataset_id)
     if users:
         raise HTTPException(409, f"dataset {dataset_id!r} is used by {', '.join(users)}; wait for them or cancel them")
-    digest = store.digest("datasets", dataset_id)
-    store.tx([("DELETE FROM datasets WHERE id = ?", (dataset_id,))])
-    store.release(digest)
+    store.release(store.delete_item("datasets", tenant_id, dataset_id, actor(request)))
     return Response(status_code=204)
 
 
@@ -152,6 +150,12 @@ def _check_datasets(request: Request, tenant_id: str, body) -> None:
 
 
 def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut:
+    """Queue a job. Its datasets are recorded as they are now (name, records, sha256), so the forgetting report
+    of what it makes names its inputs even after they are deleted."""
+    store = request.app.state.store
+    params["inputs"] = {role: {k: row[k] for k in ("id", "name", "records", "sha256")}
+                        for role in ("forget", "retain")
+                        if (row := store.get("datasets", tenant_id, params[role])) is not None}
     quotas = request.app.state.quotas
     with quotas.guard(tenant_id):
         quotas.job(tenant_id)
@@ -195,17 +199,18 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
                                      "perturbed_answer)")
     profile = body.profile.spec() if isinstance(body.profile, ProfileSpec) else body.profile
     try:
+        version = None
         if isinstance(profile, str) and profile != "base":
             current = store.current_profile(tenant_id, profile)
             if current is None:
                 raise ProfileError(404, "profile", f"profile {profile!r} not found")
-            spec = current[1]
+            version, spec = current
         else:
             spec = {"backend": "base"} if profile == "base" else complete_spec(
                 request.app.state.heads, tenant_id, profile, request.app.state.adapters)
     except ProfileError as e:
         raise field_error(e.field if e.status == 422 else "profile", e.message, e.status) from None
-    params = body.model_dump(exclude={"profile"}) | {"spec": spec,
+    params = body.model_dump(exclude={"profile"}) | {"spec": spec, "version": version,
                                                      "profile": profile if isinstance(profile, str) else None}
     return _submit(request, tenant_id, "eval", params)
 
@@ -239,8 +244,7 @@ def _delete_trained(request: Request, tenant_id: str, table: str, item_id: str, 
     users = store.users_of(tenant_id, key, item_id)
     if users:
         raise HTTPException(409, f"{kind} {item_id!r} is used by {', '.join(users)}; change or delete them first")
-    digest = store.digest(table, item_id)
-    store.tx([(f"DELETE FROM {table} WHERE id = ?", (item_id,))])
+    digest = store.delete_item(table, tenant_id, item_id, actor(request))
     _remove_trained(request, table, item_id, digest)
     return Response(status_code=204)
 
@@ -412,7 +416,7 @@ def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str =
         spec = complete_spec(request.app.state.heads, tenant_id, body.spec(), request.app.state.adapters)
     except ProfileError as e:
         raise field_error(e.field, e.message, e.status) from None
-    store.put_profile(tenant_id, name, spec, body.note)
+    store.put_profile(tenant_id, name, spec, body.note, actor(request))
     return _profile_out(store, tenant_id, name)
 
 
@@ -442,28 +446,70 @@ def rollback_profile(name: str, request: Request, version: int | None = Query(No
     if target is None or target not in versions:
         raise HTTPException(409 if version is None else 404, f"profile {name!r} has no version to roll back to"
                             if version is None else f"profile {name!r} has no version {version}")
-    store.set_profile_version(tenant_id, name, target)
+    store.set_profile_version(tenant_id, name, target, actor(request))
     return _profile_out(store, tenant_id, name)
 
 
 @router.delete("/v1/profiles/{name}", status_code=204, tags=["profiles"])
 def delete_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
-    """Delete a profile and all its versions."""
+    """Delete a profile and all its versions (409 while keys are bound to it or the tenant enforces it). Its
+    version numbers are not given again: a profile made again under the name goes on from the next one."""
     store = request.app.state.store
     if store.current_profile(tenant_id, name) is None:
         raise not_found("profile", name)
-    store.delete_profile(tenant_id, name)
+    imposed = _imposers(store, tenant_id, name)
+    if imposed:
+        raise HTTPException(409, f"profile {name!r} is {imposed}: unbind or revoke them, or lift the enforcement, "
+                                 "first")
+    store.delete_profile(tenant_id, name, actor(request))
     return Response(status_code=204)
+
+
+def _imposers(store, tenant_id: str, name: str) -> str:
+    """What imposes profile `name` on the tenant's generations, in words ('' for nothing)."""
+    said = []
+    keys = store.bound_keys(tenant_id, name)
+    if keys:
+        said.append("bound to API keys " + ", ".join(k["id"] for k in keys))
+    if store.enforced_profile(tenant_id) == name:
+        said.append("enforced on every key of the tenant")
+    return " and ".join(said)
+
+
+@router.get("/v1/enforced-profile", response_model=EnforcedProfile, tags=["profiles"])
+def get_enforced(request: Request, tenant_id: str = Depends(tenant)) -> EnforcedProfile:
+    """The profile every generation of every key of the tenant uses (null: none)."""
+    return EnforcedProfile(profile=request.app.state.store.enforced_profile(tenant_id))
+
+
+@router.put("/v1/enforced-profile", response_model=EnforcedProfile, tags=["profiles"])
+def put_enforced(body: EnforcedProfile, request: Request, tenant_id: str = Depends(tenant)) -> EnforcedProfile:
+    """Make every generation of every key of the tenant use a profile (its current version, whatever a request
+    asks: another profile, `base` or an inline spec is 403); null lifts it. Recorded in the audit trail."""
+    return _enforce(request, tenant_id, body.profile)
+
+
+def _enforce(request: Request, tenant_id: str, profile: str | None) -> EnforcedProfile:
+    store = request.app.state.store
+    if profile is not None:
+        if store.current_profile(tenant_id, profile) is None:
+            raise field_error("profile", f"profile {profile!r} not found", 404)
+        others = [k["id"] for k in store.bound_keys(tenant_id) if k["profile"] != profile]
+        if others:
+            raise field_error("profile", f"API keys {', '.join(others)} are bound to other profiles: rebind or "
+                                         f"revoke them before enforcing {profile!r}", 409)
+    store.set_enforced_profile(tenant_id, profile, actor(request))
+    return EnforcedProfile(profile=profile)
 
 
 @router.post("/admin/tenants", response_model=TenantOut, status_code=201, tags=["admin"],
              dependencies=[Depends(admin)])
 def create_tenant(body: TenantRequest, request: Request) -> TenantOut:
-    """Admin: a tenant and its first API key (shown once, stored hashed)."""
+    """Admin: a tenant and its first API key (every scope; shown once, stored hashed)."""
     store = request.app.state.store
     if store.tenant_by_name(body.name):
         raise HTTPException(409, f"tenant {body.name!r} exists")
-    tenant_id, key = store.create_tenant(body.name)
+    tenant_id, key = store.create_tenant(body.name, actor(request))
     return TenantOut(id=tenant_id, name=body.name, api_key=key)
 
 
@@ -476,10 +522,52 @@ def _tenant_named(request: Request, name: str) -> str:
 
 @router.post("/admin/tenants/{name}/keys", response_model=TenantOut, status_code=201, tags=["admin"],
              dependencies=[Depends(admin)])
-def create_key(name: str, request: Request) -> TenantOut:
-    """Admin: a further API key for a tenant."""
+def create_key(name: str, request: Request, body: KeyRequest | None = None) -> TenantOut:
+    """Admin: a further API key for a tenant, with `scopes` (default: every scope) and optionally bound to a
+    `profile` (then its scopes are `generate` alone: every generation through it uses that profile)."""
     tenant_id = _tenant_named(request, name)
-    return TenantOut(id=tenant_id, name=name, api_key=request.app.state.store.add_key(tenant_id))
+    scopes, profile = _key_terms(request, tenant_id, body or KeyRequest())
+    key = request.app.state.store.add_key(tenant_id, scopes, profile, actor(request))
+    return TenantOut(id=tenant_id, name=name, api_key=key)
+
+
+def _key_terms(request: Request, tenant_id: str, body: KeyRequest) -> tuple[tuple[str, ...] | None, str | None]:
+    """(scopes, profile) of a key as asked: a bound key may only generate; its profile must exist, and be the
+    enforced one where the tenant enforces a profile."""
+    store = request.app.state.store
+    scopes = tuple(s for s in SCOPES if s in body.scopes) if body.scopes is not None else None
+    if body.profile is None:
+        return scopes, None
+    if scopes is None:
+        scopes = ("generate",)
+    if scopes != ("generate",):
+        raise field_error("scopes", "a key bound to a profile has the `generate` scope alone (give scopes "
+                                    "[\"generate\"] or leave them out)")
+    if store.current_profile(tenant_id, body.profile) is None:
+        raise field_error("profile", f"profile {body.profile!r} not found", 404)
+    enforced = store.enforced_profile(tenant_id)
+    if enforced is not None and enforced != body.profile:
+        raise field_error("profile", f"the tenant enforces profile {enforced!r}: a key can only be bound to it", 409)
+    return scopes, body.profile
+
+
+@router.patch("/admin/tenants/{name}/keys/{key_id}", response_model=KeyInfo, tags=["admin"],
+              dependencies=[Depends(admin)])
+def update_key(name: str, key_id: str, body: KeyRequest, request: Request) -> KeyInfo:
+    """Admin: give a key new scopes and binding (as when it is made: omitted scopes are every scope, an omitted
+    profile unbinds it). Requests already admitted keep what they were admitted with."""
+    store, tenant_id = request.app.state.store, _tenant_named(request, name)
+    scopes, profile = _key_terms(request, tenant_id, body)
+    if store.update_key(tenant_id, key_id, scopes, profile, actor(request)) is None:
+        raise not_found("key", key_id)
+    return next(KeyInfo(**k) for k in store.keys(tenant_id) if k["id"] == key_id)
+
+
+@router.put("/admin/tenants/{name}/enforced-profile", response_model=EnforcedProfile, tags=["admin"],
+            dependencies=[Depends(admin)])
+def admin_enforce(name: str, body: EnforcedProfile, request: Request) -> EnforcedProfile:
+    """Admin: a tenant's enforced profile (null lifts it), as `PUT /v1/enforced-profile`."""
+    return _enforce(request, _tenant_named(request, name), body.profile)
 
 
 @router.get("/admin/tenants", response_model=list[TenantInfo], tags=["admin"], dependencies=[Depends(admin)])
@@ -498,7 +586,7 @@ def list_keys(name: str, request: Request) -> list[KeyInfo]:
 @router.delete("/admin/tenants/{name}/keys/{key_id}", status_code=204, tags=["admin"], dependencies=[Depends(admin)])
 def revoke_key(name: str, key_id: str, request: Request):
     """Admin: revoke a key; requests with it are 401 from now on (requests already admitted finish)."""
-    if not request.app.state.store.revoke_key(_tenant_named(request, name), key_id):
+    if not request.app.state.store.revoke_key(_tenant_named(request, name), key_id, actor(request)):
         raise not_found("key", key_id)
     return Response(status_code=204)
 
@@ -508,7 +596,7 @@ def revoke_key(name: str, key_id: str, request: Request):
 def rotate_key(name: str, key_id: str, request: Request) -> TenantOut:
     """Admin: a new key in place of `key_id` (shown once); the old one stops working at once."""
     tenant_id = _tenant_named(request, name)
-    key = request.app.state.store.rotate_key(tenant_id, key_id)
+    key = request.app.state.store.rotate_key(tenant_id, key_id, actor(request))
     if key is None:
         raise not_found("key", key_id)
     return TenantOut(id=tenant_id, name=name, api_key=key)
@@ -520,7 +608,7 @@ def delete_tenant(name: str, request: Request):
     files (409 while one of its jobs is queued or running: cancel them first)."""
     store, tenant_id = request.app.state.store, _tenant_named(request, name)
     try:
-        owned = store.delete_tenant(tenant_id)
+        owned = store.delete_tenant(tenant_id, actor(request))
     except ValueError as e:
         raise HTTPException(409, str(e)) from None
     for table in ("heads", "asu_weights"):

@@ -37,7 +37,10 @@ class Settings(BaseSettings):
     job_stale_seconds: float = Field(60.0, gt=0, description="A running job without a heartbeat for this long lost "
                                                              "its worker (a replica that died): it is marked failed.")
     admin_key: str | None = Field(None, description="Bearer key for the admin endpoints (tenants, keys).")
-    allow_anonymous: bool = Field(True, description="Requests without a key may generate from the base model.")
+    allow_anonymous: bool | None = Field(None, description="Requests without a key may generate from the base model "
+                                                           "(default: only on the embedded demo model).")
+    metrics_public: bool = Field(False, description="/metrics without the admin key (serving load only; jobs and "
+                                                    "profile use stay the admin key's).")
     demo_tenant: bool = Field(True, description="On first start, create a 'demo' tenant and print its key.")
     max_upload_bytes: int = Field(50 * 2**20, gt=0, description="Largest dataset upload; more answer 413.")
     max_dataset_records: int = Field(50_000, gt=0, description="Records a dataset may hold; more answer 422.")
@@ -64,6 +67,12 @@ class Settings(BaseSettings):
                                                                   "faster on a CPU; no ASU adapters).")
     gguf: Path | None = Field(None, description="The GGUF file the llama.cpp engine decodes (default: the model, "
                                                 "when it is a GGUF file).")
+
+    @model_validator(mode="after")
+    def _anonymous_on_the_demo_only(self):
+        if self.allow_anonymous is None:
+            self.allow_anonymous = Path(self.model).resolve() == DEMO_MODEL
+        return self
 
     @model_validator(mode="after")
     def _gguf_needs_llamacpp(self):

@@ -37,10 +37,14 @@ from sqlalchemy.engine import Connection, Engine
 # The schema of this release. Columns are in the order of the positional INSERTs that fill them.
 METADATA = MetaData()
 Table("tenants", METADATA, Column("id", Text, primary_key=True), Column("name", Text, unique=True, nullable=False),
-      Column("created", Double, nullable=False))
+      Column("created", Double, nullable=False),
+      Column("enforced_profile", Text))  # every generation of every key of the tenant uses this profile
+# scopes: comma-separated (`manage,generate,evaluate`), NULL for a key made before scopes (every scope); profile:
+# the profile every generation through the key uses, NULL for none
 Table("api_keys", METADATA, Column("hash", Text, primary_key=True),
       Column("tenant_id", Text, ForeignKey("tenants.id"), nullable=False), Column("created", Double, nullable=False),
-      Column("id", Text), Column("prefix", Text), Column("last_used", Double))
+      Column("id", Text), Column("prefix", Text), Column("last_used", Double), Column("scopes", Text),
+      Column("profile", Text))
 Table("datasets", METADATA, Column("id", Text, primary_key=True), Column("tenant_id", Text, nullable=False),
       Column("name", Text), Column("records", Integer), Column("sha256", Text), Column("bytes", Integer),
       Column("created", Double, nullable=False))
@@ -59,6 +63,16 @@ Table("profile_versions", METADATA, Column("tenant_id", Text, nullable=False), C
       PrimaryKeyConstraint("tenant_id", "name", "version"))
 Table("profiles", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
       Column("version", Integer, nullable=False), PrimaryKeyConstraint("tenant_id", "name"))
+# the last version a profile name ever had, kept when the profile is deleted: versions are never reused, so a
+# response's (profile, version) names one set of settings for ever
+Table("profile_serials", METADATA, Column("tenant_id", Text, nullable=False), Column("name", Text, nullable=False),
+      Column("version", Integer, nullable=False), PrimaryKeyConstraint("tenant_id", "name"))
+# the audit trail: append-only (no API deletes a row; triggers refuse UPDATE and DELETE), kept when a tenant is
+# deleted. `actor`: the acting key's id, or `admin`; `before`/`after`: JSON of what the change replaced and made
+AUDIT = Table("audit", METADATA, Column("id", Integer, primary_key=True, autoincrement=True),
+              Column("at", Double, nullable=False), Column("tenant_id", Text), Column("tenant", Text),
+              Column("actor", Text, nullable=False), Column("action", Text, nullable=False), Column("target", Text),
+              Column("profile", Text), Column("before", Text), Column("after", Text))
 SCHEMA_TABLE = Table("lethe_schema", METADATA, Column("version", Integer, nullable=False))
 # one row: this database's id and generation, written into its blob store (`Store._claim`): two databases, or two
 # copies of one, never use one store
@@ -67,6 +81,7 @@ Table("lethe_store", METADATA, Column("id", Text, primary_key=True), Column("gen
 Table("pending_blobs", METADATA, Column("digest", Text, nullable=False), Column("created", Double, nullable=False))
 
 KEY_PREFIX = "lk_"  # every API key Lethe issues starts with it
+SCOPES = ("manage", "generate", "evaluate")  # what a key may do; a key made without scopes may do all three
 
 
 TABLES = ("datasets", "heads", "jobs", "asu_weights")
@@ -103,9 +118,20 @@ def _files_gain_digests(conn: Connection, ops) -> None:
         _add_columns(conn, ops, table, Column("sha256", Text))
 
 
+def _keys_gain_scopes(conn: Connection, ops) -> None:
+    """4: keys gain scopes and a profile binding (old keys: NULL, every scope, as before), tenants an enforced
+    profile; profile versions count on across delete and re-create (`profile_serials`, filled from the versions
+    there are); the audit trail starts (its table is made by `create_all`)."""
+    _add_columns(conn, ops, "api_keys", Column("scopes", Text), Column("profile", Text))
+    _add_columns(conn, ops, "tenants", Column("enforced_profile", Text))
+    conn.execute(text("INSERT INTO profile_serials (tenant_id, name, version) SELECT tenant_id, name, MAX(version) "
+                      "FROM profile_versions GROUP BY tenant_id, name"))
+
+
 # (version, migration): each takes a database at the version before it to its own. A new release that changes
 # the schema appends one, and changes METADATA to match.
-MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids), (2, _jobs_gain_heartbeat), (3, _files_gain_digests)]
+MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids), (2, _jobs_gain_heartbeat), (3, _files_gain_digests),
+                                          (4, _keys_gain_scopes)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -117,11 +143,50 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:16]}"
 
 
-def _new_key(tenant_id: str, now: float) -> tuple[str, tuple[str, tuple]]:
-    """A new API key and the statement that stores it: hashed, with a public id and its first characters."""
-    key = KEY_PREFIX + secrets.token_urlsafe(24)
-    return key, ("INSERT INTO api_keys (hash, tenant_id, created, id, prefix, last_used) VALUES (?, ?, ?, ?, ?, NULL)",
-                 (hash_key(key), tenant_id, now, new_id("key"), key[:7]))
+def _new_key(tenant_id: str, now: float, scopes: str | None = None, profile: str | None = None,
+             key_id: str | None = None) -> tuple[str, str, tuple[str, tuple]]:
+    """A new API key, its id and the statement that stores it: hashed, with a public id, its first characters,
+    its scopes (None: every scope) and the profile it is bound to (None: none)."""
+    key, key_id = KEY_PREFIX + secrets.token_urlsafe(24), key_id or new_id("key")
+    return key, key_id, ("INSERT INTO api_keys (hash, tenant_id, created, id, prefix, last_used, scopes, profile) "
+                         "VALUES (?, ?, ?, ?, ?, NULL, ?, ?)",
+                         (hash_key(key), tenant_id, now, key_id, key[:7], scopes, profile))
+
+
+def key_scopes(stored: str | None) -> tuple[str, ...]:
+    """A key's scopes as stored: NULL (a key made before scopes, or without any named) is every scope."""
+    return SCOPES if stored is None else tuple(s for s in SCOPES if s in stored.split(","))
+
+
+def _audit_row(tenant_id: str | None, tenant: str | None, actor: str, action: str, target: str | None,
+               profile: str | None, before, after) -> tuple[str, tuple]:
+    """The statement that appends one entry to the audit trail (`before`, `after`: JSON-able, or None)."""
+    dump = (lambda v: None if v is None else json.dumps(v, sort_keys=True))
+    return ("INSERT INTO audit (at, tenant_id, tenant, actor, action, target, profile, before, after) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (time.time(), tenant_id, tenant, actor, action, target, profile, dump(before), dump(after)))
+
+
+def _version_state(current: tuple[int, dict] | None) -> dict | None:
+    """A profile's current version as the audit trail records it."""
+    return None if current is None else {"version": current[0], "spec": current[1]}
+
+
+AUDITED_KIND = {"datasets": "dataset", "heads": "head", "asu_weights": "weights"}
+
+
+def _audit_trigger_sql(dialect: str) -> list[str]:
+    """Statements that make the audit table refuse UPDATE and DELETE (append-only below the API too)."""
+    if dialect == "sqlite":
+        return [f"CREATE TRIGGER IF NOT EXISTS audit_no_{op.lower()} BEFORE {op} ON audit "
+                "BEGIN SELECT RAISE(ABORT, 'the audit trail is append-only'); END" for op in ("UPDATE", "DELETE")]
+    if dialect == "postgresql":
+        return ["CREATE OR REPLACE FUNCTION lethe_audit_append_only() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN RAISE EXCEPTION 'the audit trail is append-only'; END $$",
+                "DROP TRIGGER IF EXISTS audit_append_only ON audit",
+                "CREATE TRIGGER audit_append_only BEFORE UPDATE OR DELETE ON audit "
+                "FOR EACH ROW EXECUTE FUNCTION lethe_audit_append_only()"]
+    return []
 
 
 class StoredFileError(Exception):
@@ -212,6 +277,8 @@ def upgrade(engine: Engine) -> int:
         for version, migrate in MIGRATIONS:
             if version > found:
                 migrate(conn, ops)
+        for statement in _audit_trigger_sql(conn.dialect.name):
+            conn.execute(text(statement))
         conn.execute(SCHEMA_TABLE.delete())
         conn.execute(SCHEMA_TABLE.insert().values(version=SCHEMA_VERSION))
         # the database's id (under the migration lock: replicas starting together make one)
@@ -290,65 +357,151 @@ class Store:
         """Whether other processes may use this database and data directory at once (replicas on PostgreSQL)."""
         return self.dialect != "sqlite"
 
+    # the audit trail
+    def audit_entry(self, tenant_id: str | None, actor: str, action: str, target: str | None = None,
+                    profile: str | None = None, before=None, after=None) -> tuple[str, tuple]:
+        """The statement that records one change in the audit trail: run it in the change's own transaction, so
+        the trail holds every change exactly once (a change that fails records nothing)."""
+        name = None
+        if tenant_id is not None:
+            rows = self.q("SELECT name FROM tenants WHERE id = ?", tenant_id)
+            name = rows[0]["name"] if rows else None
+        return _audit_row(tenant_id, name, actor, action, target, profile, before, after)
+
+    def audit_trail(self, tenant_id: str | None = None, profile: str | None = None, since: float | None = None,
+                    until: float | None = None, action: str | None = None, limit: int = 1000) -> list[dict]:
+        """Audit entries, oldest first: one tenant's (None: every tenant's), optionally of one profile, within
+        [since, until], of one action."""
+        where, args = [], []
+        for clause, value in (("tenant_id = ?", tenant_id), ("profile = ?", profile), ("at >= ?", since),
+                              ("at <= ?", until), ("action = ?", action)):
+            if value is not None:
+                where.append(clause)
+                args.append(value)
+        sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id LIMIT ?"
+        return [{**dict(r), "before": json.loads(r["before"]) if r["before"] else None,
+                 "after": json.loads(r["after"]) if r["after"] else None} for r in self.q(sql, *args, limit)]
+
     # tenants and keys
-    def create_tenant(self, name: str) -> tuple[str, str]:
-        """A new tenant and its first API key: (tenant id, key). The key is stored hashed only."""
+    def create_tenant(self, name: str, actor: str = "system") -> tuple[str, str]:
+        """A new tenant and its first API key (every scope): (tenant id, key). The key is stored hashed only."""
         tenant_id, now = new_id("ten"), time.time()
-        key, insert = _new_key(tenant_id, now)
-        self.tx([("INSERT INTO tenants VALUES (?, ?, ?)", (tenant_id, name, now)), insert])
+        key, key_id, insert = _new_key(tenant_id, now)
+        self.tx([("INSERT INTO tenants (id, name, created) VALUES (?, ?, ?)", (tenant_id, name, now)), insert,
+                 _audit_row(tenant_id, name, actor, "tenant.create", tenant_id, None, None, {"name": name}),
+                 _audit_row(tenant_id, name, actor, "key.create", key_id, None, None,
+                            {"scopes": list(SCOPES), "profile": None})])
         return tenant_id, key
 
-    def add_key(self, tenant_id: str) -> str:
-        key, insert = _new_key(tenant_id, time.time())
-        self.tx([insert])
+    def add_key(self, tenant_id: str, scopes: tuple[str, ...] | None = None, profile: str | None = None,
+                actor: str = "system") -> str:
+        """A further key: `scopes` (None: every scope), bound to `profile` or not. Returns the key (shown once)."""
+        key, key_id, insert = _new_key(tenant_id, time.time(), ",".join(scopes) if scopes is not None else None,
+                                       profile)
+        self.tx([insert, self.audit_entry(tenant_id, actor, "key.create", key_id, profile, None,
+                                          {"scopes": list(key_scopes(insert[1][6])), "profile": profile})])
         return key
 
-    def tenant_for_key(self, key: str) -> str | None:
+    def caller(self, key: str) -> dict | None:
+        """Who a key is: its tenant, id, scopes, the profile it is bound to and its tenant's enforced profile;
+        None for an unknown key. Writes last_used at most once a minute."""
         digest = hash_key(key)
-        rows = self.q("SELECT tenant_id FROM api_keys WHERE hash = ?", digest)
+        rows = self.q("SELECT k.tenant_id, k.id, k.scopes, k.profile, t.enforced_profile FROM api_keys k "
+                      "JOIN tenants t ON t.id = k.tenant_id WHERE k.hash = ?", digest)
         if not rows:
             return None
         now = time.time()
         if now - self._touched.get(digest, 0.0) > 60:  # last_used to the minute: no write on every request
             self._touched[digest] = now
             self.tx([("UPDATE api_keys SET last_used = ? WHERE hash = ?", (now, digest))])
-        return rows[0]["tenant_id"]
+        row = rows[0]
+        return {"tenant_id": row["tenant_id"], "key_id": row["id"], "scopes": key_scopes(row["scopes"]),
+                "profile": row["profile"], "enforced": row["enforced_profile"]}
+
+    def tenant_for_key(self, key: str) -> str | None:
+        found = self.caller(key)
+        return found["tenant_id"] if found else None
 
     def tenants(self) -> list[dict]:
         return [dict(r) for r in self.q(
-            "SELECT t.id, t.name, t.created, (SELECT count(*) FROM api_keys k WHERE k.tenant_id = t.id) AS keys "
-            "FROM tenants t ORDER BY t.created")]
+            "SELECT t.id, t.name, t.created, t.enforced_profile, "
+            "(SELECT count(*) FROM api_keys k WHERE k.tenant_id = t.id) AS keys FROM tenants t ORDER BY t.created")]
 
     def keys(self, tenant_id: str) -> list[dict]:
-        """A tenant's keys as an operator sees them: id, the key's first characters, created, last used."""
-        return [dict(r) for r in self.q("SELECT id, prefix, created, last_used FROM api_keys WHERE tenant_id = ? "
-                                        "ORDER BY created", tenant_id)]
+        """A tenant's keys as an operator sees them: id, the key's first characters, created, last used, scopes
+        and the profile it is bound to."""
+        return [{**dict(r), "scopes": list(key_scopes(r["scopes"]))} for r in self.q(
+            "SELECT id, prefix, created, last_used, scopes, profile FROM api_keys WHERE tenant_id = ? "
+            "ORDER BY created", tenant_id)]
 
-    def _key_hash(self, tenant_id: str, key_id: str) -> str | None:
-        found = self.q("SELECT hash FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
-        return found[0]["hash"] if found else None
+    def _key_row(self, tenant_id: str, key_id: str) -> dict | None:
+        found = self.q("SELECT hash, scopes, profile FROM api_keys WHERE tenant_id = ? AND id = ?", tenant_id, key_id)
+        return dict(found[0]) if found else None
 
-    def revoke_key(self, tenant_id: str, key_id: str) -> bool:
+    @staticmethod
+    def _key_state(row: dict) -> dict:
+        return {"scopes": list(key_scopes(row["scopes"])), "profile": row["profile"]}
+
+    def revoke_key(self, tenant_id: str, key_id: str, actor: str = "system") -> bool:
         with self._lock:
-            digest = self._key_hash(tenant_id, key_id)
-            if digest is not None:
-                self.tx([("DELETE FROM api_keys WHERE hash = ?", (digest,))])
-            return digest is not None
+            row = self._key_row(tenant_id, key_id)
+            if row is not None:
+                self.tx([("DELETE FROM api_keys WHERE hash = ?", (row["hash"],)),
+                         self.audit_entry(tenant_id, actor, "key.revoke", key_id, row["profile"],
+                                          self._key_state(row), None)])
+            return row is not None
 
-    def rotate_key(self, tenant_id: str, key_id: str) -> str | None:
-        """A new key in place of `key_id`, in one transaction (the old one stops working as the new one starts)."""
+    def rotate_key(self, tenant_id: str, key_id: str, actor: str = "system") -> str | None:
+        """A new key in place of `key_id`, with its scopes and binding, in one transaction (the old one stops
+        working as the new one starts)."""
         with self._lock:
-            digest = self._key_hash(tenant_id, key_id)
-            if digest is None:
+            row = self._key_row(tenant_id, key_id)
+            if row is None:
                 return None
-            key, insert = _new_key(tenant_id, time.time())
-            self.tx([("DELETE FROM api_keys WHERE hash = ?", (digest,)), insert])
+            key, new_key_id, insert = _new_key(tenant_id, time.time(), row["scopes"], row["profile"])
+            self.tx([("DELETE FROM api_keys WHERE hash = ?", (row["hash"],)), insert,
+                     self.audit_entry(tenant_id, actor, "key.rotate", key_id, row["profile"], self._key_state(row),
+                                      {**self._key_state(row), "id": new_key_id})])
             return key
 
-    def delete_tenant(self, tenant_id: str) -> dict[str, list[tuple[str, str | None]]]:
-        """Delete a tenant's rows, keys included, in one transaction; returns its datasets, heads and ASU
-        weights as (id, digest of the file) (the caller releases the files and drops cached copies after).
-        Refused (ValueError) while one of its jobs is queued or running."""
+    def update_key(self, tenant_id: str, key_id: str, scopes: tuple[str, ...] | None, profile: str | None,
+                   actor: str = "system") -> dict | None:
+        """Give a key new scopes and binding (None: every scope; no binding); returns its new state, None if
+        there is no such key."""
+        with self._lock:
+            row = self._key_row(tenant_id, key_id)
+            if row is None:
+                return None
+            stored = ",".join(scopes) if scopes is not None else None
+            after = {"scopes": list(key_scopes(stored)), "profile": profile}
+            self.tx([("UPDATE api_keys SET scopes = ?, profile = ? WHERE hash = ?", (stored, profile, row["hash"])),
+                     self.audit_entry(tenant_id, actor, "key.update", key_id, profile or row["profile"],
+                                      self._key_state(row), after)])
+            return after
+
+    def bound_keys(self, tenant_id: str, profile: str | None = None) -> list[dict]:
+        """The tenant's keys bound to a profile (to `profile`, when given): [{id, profile}]."""
+        rows = self.q("SELECT id, profile FROM api_keys WHERE tenant_id = ? AND profile IS NOT NULL ORDER BY created",
+                      tenant_id)
+        return [dict(r) for r in rows if profile is None or r["profile"] == profile]
+
+    def enforced_profile(self, tenant_id: str) -> str | None:
+        rows = self.q("SELECT enforced_profile FROM tenants WHERE id = ?", tenant_id)
+        return rows[0]["enforced_profile"] if rows else None
+
+    def set_enforced_profile(self, tenant_id: str, profile: str | None, actor: str = "system") -> None:
+        """Make every generation of every key of the tenant use `profile` (None: no longer)."""
+        with self._lock:
+            before = self.enforced_profile(tenant_id)
+            self.tx([("UPDATE tenants SET enforced_profile = ? WHERE id = ?", (profile, tenant_id)),
+                     self.audit_entry(tenant_id, actor, "tenant.enforce", tenant_id, profile or before,
+                                      {"enforced_profile": before}, {"enforced_profile": profile})])
+
+    def delete_tenant(self, tenant_id: str, actor: str = "system") -> dict[str, list[tuple[str, str | None]]]:
+        """Delete a tenant's rows, keys included, in one transaction; its audit trail stays, with one more entry
+        saying so. Returns its datasets, heads and ASU weights as (id, digest of the file) (the caller releases
+        the files and drops cached copies after). Refused (ValueError) while one of its jobs is queued or
+        running."""
         with self._lock:
             active = self.q("SELECT id FROM jobs WHERE tenant_id = ? AND status IN ('queued', 'running')", tenant_id)
             if active:
@@ -356,8 +509,11 @@ class Store:
             owned = {table: [(r["id"], r["sha256"]) for r in self.q(f"SELECT id, sha256 FROM {table} "
                                                                    "WHERE tenant_id = ?", tenant_id)]
                      for table in FILES}
-            self.tx([(f"DELETE FROM {table} WHERE tenant_id = ?", (tenant_id,))
-                     for table in ("profiles", "profile_versions", *TABLES, "api_keys")]
+            before = {"profiles": self.profile_names(tenant_id), "keys": [k["id"] for k in self.keys(tenant_id)],
+                      **{table: [i for i, _ in items] for table, items in owned.items()}}
+            self.tx([self.audit_entry(tenant_id, actor, "tenant.delete", tenant_id, None, before, None)]
+                    + [(f"DELETE FROM {table} WHERE tenant_id = ?", (tenant_id,))
+                       for table in ("profiles", "profile_versions", *TABLES, "api_keys")]
                     + [("DELETE FROM tenants WHERE id = ?", (tenant_id,))])
             return owned
 
@@ -519,16 +675,24 @@ class Store:
         return adopted
 
     # profiles
-    def put_profile(self, tenant_id: str, name: str, spec: dict, note: str | None = None) -> int:
-        """Store `spec` as the next version of profile `name` and make it current; returns the version."""
+    def put_profile(self, tenant_id: str, name: str, spec: dict, note: str | None = None,
+                    actor: str = "system") -> int:
+        """Store `spec` as the next version of profile `name` and make it current; returns the version. Versions
+        count on across delete and re-create (`profile_serials`): a version number is never given twice."""
         with self._lock:
-            rows = self.q("SELECT MAX(version) AS v FROM profile_versions WHERE tenant_id = ? AND name = ?",
-                          tenant_id, name)
+            before = self.current_profile(tenant_id, name)
+            rows = self.q("SELECT MAX(v) AS v FROM (SELECT MAX(version) AS v FROM profile_versions WHERE tenant_id = ? "
+                          "AND name = ? UNION ALL SELECT version AS v FROM profile_serials WHERE tenant_id = ? "
+                          "AND name = ?) AS seen", tenant_id, name, tenant_id, name)
             version = (rows[0]["v"] or 0) + 1
             self.tx([("INSERT INTO profile_versions VALUES (?, ?, ?, ?, ?, ?)",
                       (tenant_id, name, version, json.dumps(spec), time.time(), note)),
                      ("INSERT INTO profiles VALUES (?, ?, ?) ON CONFLICT (tenant_id, name) DO UPDATE SET "
-                      "version = excluded.version", (tenant_id, name, version))])
+                      "version = excluded.version", (tenant_id, name, version)),
+                     ("INSERT INTO profile_serials VALUES (?, ?, ?) ON CONFLICT (tenant_id, name) DO UPDATE SET "
+                      "version = excluded.version", (tenant_id, name, version)),
+                     self.audit_entry(tenant_id, actor, "profile.set", name, name, _version_state(before),
+                                      {"version": version, "spec": spec, "note": note})])
             return version
 
     def current_profile(self, tenant_id: str, name: str) -> tuple[int, dict] | None:
@@ -545,8 +709,14 @@ class Store:
     def profile_names(self, tenant_id: str) -> list[str]:
         return [r["name"] for r in self.q("SELECT name FROM profiles WHERE tenant_id = ? ORDER BY name", tenant_id)]
 
-    def set_profile_version(self, tenant_id: str, name: str, version: int) -> None:
-        self.tx([("UPDATE profiles SET version = ? WHERE tenant_id = ? AND name = ?", (version, tenant_id, name))])
+    def set_profile_version(self, tenant_id: str, name: str, version: int, actor: str = "system") -> None:
+        """Make an earlier version current (a rollback)."""
+        with self._lock:
+            before = self.current_profile(tenant_id, name)
+            spec = next(h["spec"] for h in self.profile_history(tenant_id, name) if h["version"] == version)
+            self.tx([("UPDATE profiles SET version = ? WHERE tenant_id = ? AND name = ?", (version, tenant_id, name)),
+                     self.audit_entry(tenant_id, actor, "profile.rollback", name, name, _version_state(before),
+                                      {"version": version, "spec": spec})])
 
     def users_of(self, tenant_id: str, key: str, value: str) -> list[str]:
         """What still refers to a head (`key` head), ASU weights (`weights`) or dataset (`forget`/`retain`):
@@ -563,6 +733,24 @@ class Store:
                 users.append(f"job {r['id']}")
         return users
 
-    def delete_profile(self, tenant_id: str, name: str) -> None:
-        self.tx([("DELETE FROM profiles WHERE tenant_id = ? AND name = ?", (tenant_id, name)),
-                 ("DELETE FROM profile_versions WHERE tenant_id = ? AND name = ?", (tenant_id, name))])
+    def delete_profile(self, tenant_id: str, name: str, actor: str = "system") -> None:
+        """Delete a profile and its versions; its serial stays, so a profile made again under the name goes on
+        from the next version."""
+        with self._lock:
+            before = self.current_profile(tenant_id, name)
+            self.tx([("DELETE FROM profiles WHERE tenant_id = ? AND name = ?", (tenant_id, name)),
+                     ("DELETE FROM profile_versions WHERE tenant_id = ? AND name = ?", (tenant_id, name)),
+                     self.audit_entry(tenant_id, actor, "profile.delete", name, name, _version_state(before), None)])
+
+    def delete_item(self, table: str, tenant_id: str, item_id: str, actor: str = "system") -> str | None:
+        """Delete a dataset's, head's or ASU weights' row (recorded in the audit trail); returns its file's
+        digest (release it after)."""
+        assert table in FILES
+        with self._lock:
+            row = self.get(table, tenant_id, item_id)
+            if row is None:
+                return None
+            before = {k: row.get(k) for k in ("id", "name", "records", "job_id", "sha256", "bytes") if k in row}
+            self.tx([(f"DELETE FROM {table} WHERE id = ? AND tenant_id = ?", (item_id, tenant_id)),
+                     self.audit_entry(tenant_id, actor, f"{AUDITED_KIND[table]}.delete", item_id, None, before, None)])
+            return row.get("sha256")
