@@ -1,0 +1,57 @@
+"""`lethe asu`: ASU adapters, trained offline or on the server; the server's adapters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lethe.clients.cli.common import (_add_format_arg, _add_model_args, _add_resource_commands, _modes,
+                                      _offline_inputs)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """`lethe asu train`, `list`, `get` and `delete`."""
+    from lethe.clients import remote
+
+    asu = sub.add_parser("asu", help="ASU adapters: train offline or on the server; list, get, delete on the server"
+                         ).add_subparsers(dest="asu", required=True)
+    p = asu.add_parser("train", help="distil LoRA adapters towards a tempered-attention teacher (offline, or --url)")
+    _add_model_args(p)
+    p.add_argument("--forget", required=True, help="JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--retain", required=True, help="JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
+    p.add_argument("--tau", type=float, default=16.0, help="attention temperature of the teacher (default 16)")
+    p.add_argument("--layers", default=None, help="layers to temper, e.g. 0-1,3 (default: all)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--full-layers", default=None,
+                   help="train these layers' projections in full instead of LoRA adapters, e.g. 0-1 "
+                        "(stored as deltas; served as exact full-rank adapters)")
+    p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
+    p.add_argument("--retain-weight", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--steps", type=int, default=300, help="at most; stops early when the forget KL stalls")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    _add_format_arg(p)
+    p.add_argument("--out", type=Path, help="weights file to write; offline only, required there")
+    p.set_defaults(func=cmd_asu_train, remote=remote.asu_train)
+    _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
+    _add_resource_commands(asu, "asu", "ASU weights")
+
+
+def cmd_asu_train(args) -> int:
+    from lethe.heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.weights import save_asu
+
+    lm, forget, retain = _offline_inputs(args, "asu train")
+    cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
+                    retain_loss=args.retain_loss,
+                    retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
+    tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
+    save_asu(args.out, tensors, info)
+    base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))
+    print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size,
+                      "share_of_base": round(args.out.stat().st_size / max(1, base_bytes), 4), "steps": info.steps,
+                      **{k: v for k, v in info.metrics.items() if k != "forget_kl_history"}}))
+    return 0

@@ -1,0 +1,132 @@
+"""`lethe bench t3-quality`, `real` and `asu-quality`: quality tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lethe.clients.cli.common import _add_engine_args, _add_model_args, _engine_model
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    """`lethe bench t3-quality`, `real` and `asu-quality`."""
+    p = bench.add_parser("t3-quality", help="the quality table: full model, reference, paper, default, ablations")
+    _add_model_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--reference-model", type=Path, required=True, help="a model never trained on the forget set")
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
+    p.add_argument("--plot", type=Path, help="PNG of the first four rows")
+    p.set_defaults(func=cmd_bench_quality)
+
+    p = bench.add_parser("real", help="forget a topic a pretrained chat model knows: hits, retain, fluency",
+                         description="Facts from templates that the model answers correctly; a head trained on one "
+                                     "kind (--forget), the others kept; base and tilted answers greedy and sampled; "
+                                     "hit rate, retain answers identical to the base model's, and the fluency of "
+                                     "forget answers (non-words, repeated 3-grams, loops). Needs the bench extra "
+                                     "(pip install 'lethe[bench]') for its English word list.")
+    _add_model_args(p)
+    p.add_argument("--forget", default="capital", choices=["capital", "currency", "continent", "element", "author"])
+    p.add_argument("--format", default="auto", choices=["auto", "chat", "qa", "raw"])
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--temperatures", type=float, nargs="*", default=[0.7, 1.0])
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--limit", type=int, default=None, help="subjects per kind, for a quick run (default: all)")
+    p.add_argument("--settings", type=_json_object, default={},
+                   help='tilt settings over the head\'s recommendation, as JSON, e.g. \'{"repeat_guard": 0}\'')
+    p.add_argument("--variant", type=_named_json, action="append", default=[], metavar="NAME=JSON",
+                   help="further settings to compare on the same head and base answers (repeatable)")
+    p.add_argument("--asu-tau", type=float, help="also train ASU at this tau on the same sets and report it alone "
+                                                 "and with the head (variants asu, asu+head)")
+    p.add_argument("--asu-steps", type=int, default=300, help="ASU training steps (default 300)")
+    _add_engine_args(p)
+    p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
+    p.set_defaults(func=cmd_bench_real)
+
+    p = bench.add_parser("asu-quality", help="full, reference, T3, ASU at each tau, ASU + T3 (greedy), with times")
+    _add_model_args(p)
+    p.add_argument("--forget", type=Path, required=True)
+    p.add_argument("--retain", type=Path, required=True)
+    p.add_argument("--reference-model", type=Path, required=True)
+    p.add_argument("--tau", type=float, nargs="+", default=[4.0, 16.0])
+    p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
+    p.set_defaults(func=cmd_bench_asu)
+
+
+def _table_run(args, header, row, make_rows) -> list:
+    """Load the model, its reference and the sets; print a markdown table row by row; write JSON and .md."""
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import read_jsonl
+
+    lm = load_model(args.model, args.device, args.dtype)
+    reference = load_model(args.reference_model, args.device, args.dtype)
+    forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
+    print(header(), flush=True)
+    rows = make_rows(lm, reference, forget, retain, lambda line: print(line, flush=True))
+    if args.out:
+        atomic_write_text(args.out, json.dumps([{"label": label, **r} for label, r in rows], indent=2))
+        atomic_write_text(args.out.with_suffix(".md"), "\n".join([header()] + [row(*r) for r in rows]) + "\n")
+    return rows
+
+
+def cmd_bench_quality(args) -> int:
+    from lethe.heads.evaluation.ablation import markdown_header, markdown_row, quality_table
+    from lethe.heads.evaluation.evaluate import EvalConfig, plot_reports
+
+    rows = _table_run(args, markdown_header, markdown_row, lambda lm, ref, f, r, log: quality_table(
+        lm, ref, f, r, EvalConfig(seeds=tuple(args.seeds)), log=log))
+    if args.plot:
+        plot_reports([{**r, "profile": label} for label, r in rows[:4]], args.plot)
+    return 0
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _named_json(text: str) -> tuple[str, dict]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError("must be NAME=JSON")
+    return name, _json_object(rest)
+
+
+def cmd_bench_real(args) -> int:
+    from lethe.heads.evaluation.real import RealBenchConfig, markdown, run
+    from lethe.heads.io import atomic_write_text
+    from lethe.heads.modelio import load_model
+    from lethe.heads.t3.train import FitConfig
+
+    lm = load_model(args.model, args.device, args.dtype)
+    cfg = RealBenchConfig(forget=args.forget, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
+                          top_p=args.top_p, seeds=tuple(args.seeds), limit=args.limit,
+                          fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant),
+                          asu_tau=args.asu_tau, asu_steps=args.asu_steps)
+    decoder = _engine_model(args, lm, 32)
+    report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
+    table = markdown(report)
+    print(table)
+    if args.out:
+        atomic_write_text(args.out, json.dumps(report, indent=2))
+        atomic_write_text(args.out.with_suffix(".md"), table)
+    return 0
+
+
+def cmd_bench_asu(args) -> int:
+    from lethe.heads.evaluation.ablation import asu_header, asu_row, asu_table
+    from lethe.heads.evaluation.evaluate import EvalConfig
+
+    _table_run(args, asu_header, asu_row, lambda lm, ref, f, r, log: asu_table(
+        lm, ref, f, r, tuple(args.tau), EvalConfig(seeds=()), log=log))
+    return 0

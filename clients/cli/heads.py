@@ -1,0 +1,78 @@
+"""`lethe heads`: T3 heads, trained offline or on the server; the server's heads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lethe.clients.cli.common import (_add_format_arg, _add_model_args, _add_resource_commands, _modes,
+                                      _offline_inputs)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """`lethe heads train`, `list`, `get`, `delete` and `import-reference`."""
+    from lethe.clients import remote
+
+    heads = sub.add_parser("heads", help="T3 heads: train offline or on the server; list, get, delete on the server"
+                           ).add_subparsers(dest="heads", required=True)
+    p = heads.add_parser("train", help="fit a head: offline, or on the server with --url",
+                         description="Offline (no --url / $LETHE_URL, or --local): cache the model's states over "
+                                     "the sets and fit a head to --out. On the server (--url or $LETHE_URL): start "
+                                     "a job (sets given as dataset ids or local files, which are uploaded first); "
+                                     "--wait follows it with a progress bar. Options of the other mode are "
+                                     "refused, never ignored.")
+    _add_model_args(p)
+    p.add_argument("--forget", required=True, help="forget set: JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--retain", required=True, help="retain set: JSON Lines file (or, with --url, a dataset id)")
+    p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
+    p.add_argument("--rank", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--weight-decay", type=float, default=1e-2)
+    p.add_argument("--epochs", type=int, default=60, help="at most; early stopping on a held-out split")
+    p.add_argument("--balance", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight forget and retain positions equally (default on)")
+    p.add_argument("--common-df", type=float, default=0.05,
+                   help="forget tokens found in more than this share of retain answers do not train the head "
+                        "(1.0: all do, as in the reference)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    _add_format_arg(p)
+    p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
+    p.set_defaults(func=cmd_heads_train, remote=remote.heads_train)
+    _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
+    _add_resource_commands(heads, "heads", "heads")
+
+    p = heads.add_parser("import-reference", help="convert an open-unlearning T3 save into a Lethe head")
+    _add_model_args(p)
+    p.add_argument("reference", type=Path, help="the reference's saved model directory")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_heads_import)
+
+
+def cmd_heads_train(args) -> int:
+    from lethe.heads.t3.head import save_head
+    from lethe.heads.t3.pipeline import train_head
+    from lethe.heads.t3.train import FitConfig
+
+    lm, forget, retain = _offline_inputs(args, "heads train")
+    cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
+                    balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format)
+    head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
+    save_head(args.out, head, info)
+    print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))
+    return 0
+
+
+def cmd_heads_import(args) -> int:
+    from lethe.heads.t3.head import save_head
+    from lethe.heads.modelio import load_model
+    from lethe.heads.t3.reference import import_reference
+
+    lm = load_model(args.model, args.device, args.dtype)
+    cfg = lm.model.config
+    head, info = import_reference(args.reference, lm.fingerprint, cfg.hidden_size, cfg.vocab_size,
+                                  cfg.num_hidden_layers)
+    save_head(args.out, head, info)
+    print(json.dumps({"out": str(args.out), "profile": info.profile}))
+    return 0

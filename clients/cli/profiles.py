@@ -1,0 +1,37 @@
+"""`lethe profiles`: unlearning profiles on the server."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """`lethe profiles set`, `list`, `get`, `delete` and `rollback` (on the server)."""
+    from lethe.clients import remote
+
+    pr = sub.add_parser("profiles", help="unlearning profiles on the server (needs --url)").add_subparsers(
+        dest="action", required=True)
+    q = pr.add_parser("set", help="create a profile, or replace it with a new version")
+    q.add_argument("name")
+    q.add_argument("--backend", choices=["t3", "asu", "base"])
+    q.add_argument("--head")
+    q.add_argument("--weights", help="ASU weights id (backend asu)")
+    q.add_argument("--preset", choices=["default", "paper"])
+    q.add_argument("--T", type=float)
+    q.add_argument("--lam", type=float)
+    q.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None)
+    q.add_argument("--candidates", type=int)
+    q.add_argument("--cap", type=float)
+    q.add_argument("--min-p", type=float)
+    q.add_argument("--repeat-guard", type=int)
+    q.add_argument("--abstain")
+    q.add_argument("--abstain-above", type=float)
+    q.add_argument("--note")
+    pr.add_parser("list", help="list profiles")
+    for action in ("get", "delete"):
+        pr.add_parser(action, help=f"{action} a profile").add_argument("name")
+    q = pr.add_parser("rollback", help="make an earlier version current")
+    q.add_argument("name")
+    q.add_argument("--version", type=int)
+    for q in pr.choices.values():
+        q.set_defaults(func=None, remote=remote.profiles)
