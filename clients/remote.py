@@ -123,7 +123,20 @@ def profiles(client: Lethe, args):
         return client.get_profile(args.name)
     if args.action == "rollback":
         return client.rollback_profile(args.name, args.version)
+    if args.action == "enforce":
+        if args.lift or args.name:
+            return client.enforce_profile(_enforced(args, args.name))
+        return client.enforced_profile()
     return client.delete_profile(args.name)
+
+
+def _enforced(args, name: str | None) -> str | None:
+    """The profile `enforce` sets: NAME, or None with --lift (both, or neither, is bad usage)."""
+    if args.lift == bool(name):
+        from lethe.clients.cli import UsageError
+
+        raise UsageError(f"{args.command} enforce: give a profile or --lift (one of them)")
+    return None if args.lift else name
 
 
 def generate(client: Lethe, args):
@@ -149,7 +162,10 @@ def generate(client: Lethe, args):
 
 
 def tenants(client: Lethe, args):
-    actions = {"create": lambda: client.create_tenant(args.name), "key": lambda: client.create_key(args.name),
+    actions = {"create": lambda: client.create_tenant(args.name),
+               "key": lambda: client.create_key(args.name, args.scopes, args.profile),
+               "set-key": lambda: client.update_key(args.name, args.key_id, args.scopes, args.profile),
+               "enforce": lambda: client.enforce_profile(_enforced(args, args.profile), args.name),
                "list": client.list_tenants, "keys": lambda: client.list_keys(args.name),
                "revoke": lambda: client.revoke_key(args.name, args.key_id),
                "rotate": lambda: client.rotate_key(args.name, args.key_id),
@@ -162,3 +178,50 @@ def evaluate(client: Lethe, args):
                           args.profile or "base", seeds=args.seeds, max_new_tokens=args.max_new_tokens,
                           format=args.format)
     return _run_job(client, job, args.wait, args.quiet)
+
+
+def _when(text: str | None) -> float | None:
+    """A time given on the command line: Unix seconds, or an ISO 8601 date or time (UTC unless it says)."""
+    if text is None:
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        from lethe.clients.cli import UsageError
+
+        raise UsageError(f"not a time: {text!r} (Unix seconds, or ISO 8601 such as 2026-12-01T09:00)") from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def audit(client: Lethe, args):
+    return client.audit(profile=args.profile, since=_when(args.since), until=_when(args.until), action=args.action,
+                        tenant=args.tenant, limit=args.limit)
+
+
+def report(client: Lethe, args):
+    """The forgetting report: written to --out (printing its digest), else the page (or --json, the data) on
+    standard output."""
+    from lethe.server.report import verify
+
+    if args.json:
+        data = client.report_data(args.profile, args.version)
+        if args.out is None:
+            return data
+        from lethe.heads.io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return {"out": str(args.out), "digest": data["digest"]}
+    page = client.report(args.profile, args.version)
+    if args.out is None:
+        sys.stdout.write(page)
+        return None
+    from lethe.heads.io import atomic_write_text
+
+    atomic_write_text(args.out, page)
+    return {"out": str(args.out), "digest": verify(page)[1]}

@@ -154,7 +154,7 @@ def _number(v) -> str:
 STYLE = """body{font:15px/1.5 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#1b1f24}
 h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #d0d7de}
 table{border-collapse:collapse;width:100%;margin:.5rem 0}th,td{border:1px solid #d0d7de;padding:.3rem .5rem;
-text-align:left;vertical-align:top;overflow-wrap:anywhere}th{background:#f6f8fa}
+text-align:left;vertical-align:top;overflow-wrap:break-word}th{background:#f6f8fa}
 code,.hash{font-family:ui-monospace,monospace;font-size:.85em}.hash{word-break:break-all}.sub{color:#57606a}.none{color:#57606a;font-style:italic}
 .digest{background:#f6f8fa;border:1px solid #d0d7de;padding:.6rem;margin-top:1rem}"""
 

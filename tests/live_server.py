@@ -26,7 +26,7 @@ def free_port() -> int:
 def running_server(lm, data_dir, **overrides):
     port = free_port()
     settings = Settings(model=lm.path, data_dir=data_dir, port=port, admin_key=ADMIN_KEY, demo_tenant=False,
-                        **overrides)
+                        **{"allow_anonymous": True, **overrides})
     server = uvicorn.Server(uvicorn.Config(create_app(settings, lm), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -63,7 +63,7 @@ def running_ray(model_dir, data_dir, database_url: str, replicas: int = 2, env: 
 
     port = free_port()
     settings = Settings(model=model_dir, data_dir=data_dir, port=port, admin_key=ADMIN_KEY, demo_tenant=False,
-                        database_url=database_url, **overrides)
+                        database_url=database_url, **{"allow_anonymous": True, **overrides})
     ray.init(num_cpus=replicas + 1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

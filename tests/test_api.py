@@ -12,7 +12,7 @@ from lethe.heads.demo.corpus import split_by_author
 from lethe.heads.evaluation.metrics import rouge_l_recall
 from lethe.heads.modelio import load_model
 from lethe.heads.records import question_prompt
-from live_server import new_tenant, running_server
+from live_server import ADMIN_KEY, new_tenant, running_server
 
 
 def _jsonl(records) -> bytes:
@@ -352,7 +352,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_lm, tmp_path):
         codes = [r.status_code for r in replies]
         assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
         assert all(r.headers["retry-after"] == "1" for r in replies if r.status_code == 429)
-        metrics = httpx.get(url + "/metrics").text
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
         assert 'lethe_requests_total{path="/generate",status="429"}' in metrics
         assert "lethe_generated_tokens_total" in metrics and "lethe_batch_size_bucket" in metrics
 

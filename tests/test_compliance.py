@@ -418,3 +418,67 @@ def test_the_report_names_every_input_is_stable_and_renders(world, tmp_path):
     dom = subprocess.run([browser, *flags, "--dump-dom", html.as_uri()], check=True, timeout=120,
                          capture_output=True, text=True).stdout
     assert "Forgetting report" in dom and digest in dom and f["sha256"] in dom
+
+
+@pytest.fixture(scope="module")
+def cli_server(tiny_model_dir, tmp_path_factory):
+    """A live server for the command line (started outside the test, before pytest captures its output)."""
+    from live_server import running_server
+
+    with running_server(load_model(tiny_model_dir), tmp_path_factory.mktemp("data"), allow_anonymous=False) as url:
+        yield url
+
+
+def test_the_command_line_makes_bound_keys_enforces_and_reports(cli_server, tiny_records, tmp_path, capsys):
+    """`lethe tenants key --scope --profile`, `tenants set-key`, `tenants enforce`, `profiles enforce`, `audit`,
+    `report --out` and `verify-report`, as an operator types them."""
+    from lethe.clients.cli import main
+
+    said = []
+
+    def run(*args) -> tuple[int, list[str]]:
+        rc = main(list(args))
+        captured = capsys.readouterr()
+        said.append(captured.err)
+        return rc, captured.out.splitlines()
+
+    url = cli_server
+    admin = ("--url", url, "--key", ADMIN_KEY)
+    rc, out = run(*admin, "--field", "api_key", "tenants", "create", "cli")
+    owner = ("--url", url, "--key", out[0])
+    forget, retain = split_by_author(tiny_records, 1)
+    (tmp_path / "f.jsonl").write_bytes(_jsonl(forget))
+    (tmp_path / "r.jsonl").write_bytes(_jsonl(retain))
+    rc, out = run(*owner, "--field", "head", "heads", "train", "--forget", str(tmp_path / "f.jsonl"),
+                  "--retain", str(tmp_path / "r.jsonl"), "--wait", "--quiet", "--rank", "4")
+    assert rc == 0, out
+    assert run(*owner, "profiles", "set", "rtbf", "--head", out[0])[0] == 0
+    rc, out = run(*admin, "--field", "api_key", "tenants", "key", "cli", "--scope", "generate", "--profile", "rtbf")
+    assert rc == 0 and out[0].startswith("lk_")
+    bound = out[0]
+    rc, out = run(*admin, "tenants", "keys", "cli")
+    keys = [json.loads(line) for line in out]
+    assert [(k["scopes"], k["profile"]) for k in keys] == [(["manage", "generate", "evaluate"], None),
+                                                            (["generate"], "rtbf")]
+    rc, out = run("--url", url, "--key", bound, "generate", "--profile", "base", "Question: hi\nAnswer:")
+    assert rc == 1 and "bound to profile 'rtbf'" in said[-1]
+    assert run(*owner, "profiles", "enforce", "rtbf")[0] == 0
+    assert json.loads(run(*owner, "profiles", "enforce")[1][0]) == {"profile": "rtbf"}
+    assert run(*admin, "tenants", "enforce", "cli", "--lift")[0] == 0
+    assert run(*admin, "tenants", "enforce", "cli")[0] == 2  # neither a profile nor --lift: bad usage
+    rc, out = run(*admin, "tenants", "set-key", "cli", keys[1]["id"], "--scope", "generate", "--scope", "evaluate")
+    assert rc == 0 and json.loads(out[0])["profile"] is None
+    rc, out = run(*owner, "audit", "--since", "2000-01-01")
+    actions = [json.loads(line)["action"] for line in out]
+    assert actions == ["tenant.create", "key.create", "profile.set", "key.create", "tenant.enforce",
+                       "tenant.enforce", "key.update"], actions
+    assert [json.loads(line)["action"] for line in run(*owner, "audit", "--profile", "rtbf",
+                                                            "--action", "profile.set")[1]] == ["profile.set"]
+    rc, out = run(*owner, "report", "rtbf", "--out", str(tmp_path / "report.html"))
+    written = json.loads(out[0])
+    assert rc == 0 and written["digest"] in (tmp_path / "report.html").read_text()
+    rc, out = run("verify-report", str(tmp_path / "report.html"))
+    assert rc == 0 and json.loads(out[0])["verified"] is True
+    page = (tmp_path / "report.html").read_text()
+    (tmp_path / "changed.html").write_text(page.replace('"records":20', '"records":21'))
+    assert run("verify-report", str(tmp_path / "changed.html"))[0] == 1

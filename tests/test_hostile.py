@@ -23,7 +23,8 @@ def app_client(tiny_model_dir, tmp_path_factory):
     from lethe.heads.modelio import load_model
 
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path_factory.mktemp("data"), admin_key=ADMIN_KEY,
-                        demo_tenant=False, max_upload_bytes=20_000, max_new_tokens_limit=64)
+                        demo_tenant=False, max_upload_bytes=20_000, max_new_tokens_limit=64,
+                        allow_anonymous=True)
     with TestClient(create_app(settings, load_model(tiny_model_dir))) as c:
         yield c
 

@@ -46,7 +46,7 @@ def served(tiny_model_dir, tmp_path_factory):
     """A server with a model of its own (adapters are attached to it in place), tenants alice and bob."""
     lm = load_model(tiny_model_dir)
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path_factory.mktemp("data"), admin_key=ADMIN_KEY,
-                        demo_tenant=False, max_new_tokens_limit=64)
+                        demo_tenant=False, max_new_tokens_limit=64, allow_anonymous=True)
     with TestClient(create_app(settings, lm)) as c:
         yield c, lm, _tenant(c, "alice"), _tenant(c, "bob")
 
@@ -472,9 +472,15 @@ def test_bodies_are_bounded_and_stalled_bodies_cut_off(tiny_model_dir, tmp_path)
 
 def test_low_findings(served, tmp_path):
     client, lm, alice, _ = served
-    for header in ("Basic dXNlcjpwYXNz", "Bearer ", "Bearer"):
+    for header in ("Basic dXNlcjpwYXNz", "Token abc", "lk_abc"):
         r = client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}, headers={"Authorization": header})
         assert r.status_code == 401, header
+    for header in ("Bearer ", "Bearer"):  # no key (lm-evaluation-harness without one): anonymous, where that is on
+        r = client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}, headers={"Authorization": header})
+        assert r.status_code == 200 and r.json()["profile"]["name"] == "base", header
+        r = client.post("/generate", json={"prompt": "hi", "profile": "p"}, headers={"Authorization": header})
+        assert r.status_code == 401, header  # and a profile still needs a key
+    assert client.get("/v1/profiles", headers={"Authorization": "Bearer "}).status_code == 401
     for name in ("BASE", "a%0Ab", "a%00b", "%20base", "-x"):
         r = client.put(f"/v1/profiles/{name}", json={"backend": "base"}, headers=alice)
         assert r.status_code in (404, 422), (name, r.status_code)
@@ -488,7 +494,8 @@ def test_low_findings(served, tmp_path):
 def test_quotas_answer_429_and_jobs_take_turns_across_tenants(tiny_model_dir, tmp_path, tiny_records):
     lm = load_model(tiny_model_dir)
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
-                        quota_datasets=2, quota_jobs=3, quota_rows=2, max_new_tokens_limit=512)
+                        quota_datasets=2, quota_jobs=3, quota_rows=2, max_new_tokens_limit=512,
+                        allow_anonymous=True)
     recs = _jsonl(tiny_records[:4])
     with TestClient(create_app(settings, lm)) as client:
         a, b = _tenant(client, "a"), _tenant(client, "b")
@@ -613,7 +620,7 @@ def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_di
 
 def test_concurrent_submissions_cannot_pass_a_quota_together(tiny_model_dir, tmp_path, tiny_records):
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
-                        quota_jobs=3, quota_datasets=3)
+                        quota_jobs=3, quota_datasets=3, allow_anonymous=True)
     recs = _jsonl(tiny_records[:4])
     with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
         a = _tenant(client, "a")

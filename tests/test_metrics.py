@@ -29,7 +29,7 @@ def _boom_router() -> APIRouter:
 @pytest.fixture(scope="module")
 def client(tiny_lm, tmp_path_factory):
     settings = Settings(model=tiny_lm.path, max_new_tokens_limit=128, admin_key=ADMIN, demo_tenant=False,
-                        data_dir=tmp_path_factory.mktemp("data"))
+                        data_dir=tmp_path_factory.mktemp("data"), allow_anonymous=True)
     app = create_app(settings, tiny_lm)
     app.include_router(_boom_router())
     with TestClient(app, raise_server_exceptions=False) as c:
@@ -44,7 +44,7 @@ def tenant_key(client):
 
 
 def _metrics(client) -> str:
-    r = client.get("/metrics")
+    r = client.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200
     return r.text
 

@@ -7,7 +7,8 @@ from lethe.server.soak import soak
 
 def test_short_soak_answers_429_with_retry_after_frees_leavers_and_serves_past_a_slow_client(tiny_model_dir,
                                                                                              tmp_path):
-    with running_server(load_model(tiny_model_dir), tmp_path, max_queue=2, max_batch_size=4) as url:
+    with running_server(load_model(tiny_model_dir), tmp_path, max_queue=2, max_batch_size=4,
+                        metrics_public=True) as url:
         result = soak(url, clients=12, duration=4.0, max_new_tokens=24, leavers=2, slow_readers=1)
     assert result["served"] > 20 and result["healthy_after"]
     assert set(result["errors"]) == {"429"}, result["errors"]  # busy, never a 5xx or a dropped connection

@@ -138,10 +138,10 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_its_row(real_lm, tmp_p
 
     import httpx
 
-    from live_server import running_server
+    from live_server import ADMIN_KEY, running_server
 
     def generated(url) -> float:
-        text = httpx.get(url + "/metrics").text
+        text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
         return float(re.search(r"^lethe_generated_tokens_total (\S+)", text, re.M).group(1))
 
     with running_server(real_lm, tmp_path) as url:

@@ -8,7 +8,8 @@ from lethe.server.settings import Settings
 
 @pytest.fixture(scope="module")
 def client(tiny_lm, tmp_path_factory):
-    settings = Settings(model=tiny_lm.path, max_new_tokens_limit=128, data_dir=tmp_path_factory.mktemp("data"))
+    settings = Settings(model=tiny_lm.path, max_new_tokens_limit=128, data_dir=tmp_path_factory.mktemp("data"),
+                        allow_anonymous=True)
     with TestClient(create_app(settings, tiny_lm)) as c:
         yield c
 

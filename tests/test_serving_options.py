@@ -17,7 +17,7 @@ def served(tiny_model_dir, tmp_path_factory):
     template = folder / "template.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
     settings = Settings(model=tiny_model_dir, data_dir=folder / "data", max_model_len=40, served_model_name="tiny",
-                        chat_template=template, max_queue=3, admin_key="adm")
+                        chat_template=template, max_queue=3, admin_key="adm", allow_anonymous=True)
     with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
         yield client
 

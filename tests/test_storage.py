@@ -106,7 +106,7 @@ def test_a_job_running_on_one_replica_is_cancelled_through_another(tiny_model_di
     database = fresh_database(postgres_server_url)
     lm = load_model(tiny_model_dir)
     settings = Settings(model=tiny_model_dir, data_dir=tmp_path, database_url=database, admin_key=ADMIN_KEY,
-                        demo_tenant=False, job_stale_seconds=2.0)
+                        demo_tenant=False, job_stale_seconds=2.0, allow_anonymous=True)
     with TestClient(create_app(settings, lm)) as one, TestClient(create_app(settings, lm)) as two:
         ran_on, started = {}, threading.Event()
         for name, client in (("one", one), ("two", two)):

@@ -20,7 +20,7 @@ from lethe.clients.cli.common import UsageError
 __all__ = ["COMMAND_GROUPS", "UsageError", "build_parser", "main"]
 
 COMMAND_GROUPS = ("serve", "models", "demo", "generate", "heads", "asu", "openapi", "datasets", "jobs", "profiles",
-                  "tenants", "eval", "bench")
+                  "tenants", "audit", "report", "eval", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """`lethe profiles set`, `list`, `get`, `delete` and `rollback` (on the server)."""
+    """`lethe profiles set`, `list`, `get`, `delete`, `rollback` and `enforce` (on the server)."""
     from lethe.clients import remote
 
     pr = sub.add_parser("profiles", help="unlearning profiles on the server (needs --url)").add_subparsers(
@@ -33,5 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = pr.add_parser("rollback", help="make an earlier version current")
     q.add_argument("name")
     q.add_argument("--version", type=int)
+    q = pr.add_parser("enforce", help="make every generation of every key of your tenant use profile NAME "
+                                      "(--lift: no longer; neither: show the enforced one)")
+    q.add_argument("name", nargs="?")
+    q.add_argument("--lift", action="store_true", help="lift the enforced profile")
     for q in pr.choices.values():
         q.set_defaults(func=None, remote=remote.profiles)

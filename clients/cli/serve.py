@@ -43,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args) -> int:
     import logging
+    import os
 
     import uvicorn
     from pydantic import ValidationError
@@ -89,10 +90,21 @@ def cmd_serve(args) -> int:
         decoder = open_gguf(lm, settings.gguf, settings.max_batch_size, settings.max_model_len, checked)
     print(f"lethe: serving {settings.model} on http://{settings.host}:{settings.port} "
           f"(data in {settings.data_dir.resolve()}; engine {settings.engine})", flush=True)
-    config = uvicorn.Config(create_app(settings, lm, decoder=decoder), host=settings.host, port=settings.port,
-                            log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
+    if settings.allow_anonymous:
+        print("lethe: anonymous access is on: requests without a key get the base model"
+              + (" (the default on the embedded demo model only)" if "allow_anonymous" not in values
+                 and not os.environ.get("LETHE_ALLOW_ANONYMOUS") else "")
+              + "; LETHE_ALLOW_ANONYMOUS=false turns it off", flush=True)
+    uvicorn.Server(uvicorn_config(create_app(settings, lm, decoder=decoder), settings)).run(sockets=[sock])
     return 0
+
+
+def uvicorn_config(app, settings):
+    """uvicorn's settings for the server. Its own access log is off: it prints raw paths with their query strings
+    (`?name=rtbf-john-doe`); Lethe's (`server.app.AccessLog`) logs route templates, statuses and times."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
 
 
 def _serve_on_ray(settings, args) -> int:
@@ -124,7 +136,13 @@ def _check_store(settings) -> None:
 
     if settings.database_url:
         check_database(settings.database_url)
-    Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache).close()
+    from lethe.server.app import check_served_name
+
+    store = Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache)
+    try:
+        check_served_name(store, settings.served_model_name)  # a name that shadows a profile fails here, in one line
+    finally:
+        store.close()
 
 
 def _listen(host: str, port: int):

@@ -100,7 +100,8 @@ def cmd_bench_soak(args) -> int:
     if args.url:
         result = run(args.url)
     else:  # a server of our own, on loopback, with the given queue bound
-        with _own_server(args, max_queue=args.max_queue) as (url, _):
+        # its clients are anonymous, and it reads the server's memory from /metrics
+        with _own_server(args, max_queue=args.max_queue, allow_anonymous=True, metrics_public=True) as (url, _):
             result = run(url)
     print(json.dumps(result))
     return 0
