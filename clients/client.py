@@ -305,10 +305,14 @@ class _Requests:
         return _Request("GET", "/v1/audit", _AUDIT, {"params": {k: v for k, v in filters.items() if v is not None}})
 
     @staticmethod
-    def report(name: str, version: int | None, as_json: bool = False) -> _Request[Any]:
-        params = {"version": version, "format": "json" if as_json else None}
-        return _Request("GET", f"/v1/profiles/{name}/report", _JSON if as_json else _TEXT,
-                        {"params": {k: v for k, v in params.items() if v is not None}})
+    def report(name: str, version: int | None) -> _Request[str]:
+        return _Request("GET", f"/v1/profiles/{name}/report", _TEXT,
+                        {"params": {"version": version} if version is not None else None})
+
+    @staticmethod
+    def report_data(name: str, version: int | None) -> _Request[dict[str, Any]]:
+        return _Request("GET", f"/v1/profiles/{name}/report", _JSON,
+                        {"params": {"format": "json"} | ({"version": version} if version is not None else {})})
 
     @staticmethod
     def list_tenants() -> _Request[list[TenantInfo]]:
@@ -514,7 +518,7 @@ class Lethe:
 
     def report_data(self, name: str, version: int | None = None) -> dict[str, Any]:
         """The same report as the data the page embeds, with its `digest`."""
-        return self._send(_r.report(name, version, as_json=True))
+        return self._send(_r.report_data(name, version))
 
     def list_tenants(self) -> list[TenantInfo]:
         return self._send(_r.list_tenants())
@@ -704,7 +708,7 @@ class AsyncLethe:
         return await self._send(_r.report(name, version))
 
     async def report_data(self, name: str, version: int | None = None) -> dict[str, Any]:
-        return await self._send(_r.report(name, version, as_json=True))
+        return await self._send(_r.report_data(name, version))
 
     async def list_tenants(self) -> list[TenantInfo]:
         return await self._send(_r.list_tenants())

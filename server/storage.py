@@ -124,8 +124,9 @@ def _keys_gain_scopes(conn: Connection, ops) -> None:
     there are); the audit trail starts (its table is made by `create_all`)."""
     _add_columns(conn, ops, "api_keys", Column("scopes", Text), Column("profile", Text))
     _add_columns(conn, ops, "tenants", Column("enforced_profile", Text))
-    conn.execute(text("INSERT INTO profile_serials (tenant_id, name, version) SELECT tenant_id, name, MAX(version) "
-                      "FROM profile_versions GROUP BY tenant_id, name"))
+    conn.execute(text("INSERT INTO profile_serials (tenant_id, name, version) SELECT v.tenant_id, v.name, "
+                      "MAX(v.version) FROM profile_versions v WHERE NOT EXISTS (SELECT 1 FROM profile_serials s "
+                      "WHERE s.tenant_id = v.tenant_id AND s.name = v.name) GROUP BY v.tenant_id, v.name"))
 
 
 # (version, migration): each takes a database at the version before it to its own. A new release that changes
