@@ -411,7 +411,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
         to a profile, or a tenant's enforced profile, decides it instead."""
         profile = body.profile.spec() if hasattr(body.profile, "spec") else body.profile
         params = body.sampling()
-        profile = check_policy(caller, profile, params, "profile")
+        profile = check_policy(caller, profile, False, "profile")
         resolved, _ = await admit(request, caller, body.prompt, params, profile)
         used = ProfileUsed(name=resolved.name, version=resolved.version)
 

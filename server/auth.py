@@ -15,7 +15,11 @@ def bearer(request: Request, empty_ok: bool = False) -> str | None:
     header of any other form is 401, never anonymous: a caller who meant to send a key must learn it was not.
     `empty_ok`: `Bearer ` with nothing after it is no key (what lm-evaluation-harness and the openai SDK send
     with no key set), for routes where anonymous access is on."""
+    if len(request.headers.getlist("authorization")) > 1 or len(request.headers.getlist("x-api-key")) > 1:
+        raise HTTPException(401, "more than one key sent: send one (Authorization: Bearer <key>, or X-API-Key)")
     header = request.headers.get("authorization")
+    if header is not None and request.headers.get("x-api-key") is not None:
+        raise HTTPException(401, "two keys sent (Authorization and X-API-Key): send one")
     if header is not None:
         scheme, _, token = header.strip().partition(" ")
         if scheme.lower() == "bearer" and not token.strip() and empty_ok:
@@ -71,7 +75,7 @@ class Caller:
 
 def _caller(request: Request, anonymous_ok: bool) -> Caller | None:
     key = bearer(request, empty_ok=anonymous_ok)
-    if key is None or (anonymous_ok and not key.startswith(KEY_PREFIX)):
+    if key is None or (anonymous_ok and not key.lower().startswith(KEY_PREFIX)):
         # no key, or a placeholder that is no Lethe key (`OpenAI(api_key="EMPTY")`, as with local servers): anonymous
         # where that is allowed. A Lethe key that is unknown (mistyped, revoked) stays 401, so a tenant never gets
         # the base model's answers while believing its profile answered.

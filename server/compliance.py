@@ -25,29 +25,28 @@ def audit(request: Request, profile: str | None = Query(None, max_length=200),
           tenant_name: str | None = Query(None, alias="tenant", max_length=100,
                                           description="Admin only: one tenant's entries (default: every tenant's)."),
           limit: int = Query(1000, ge=1, le=100_000)) -> list[AuditEntry]:
-    """The audit trail, oldest first: every change that decides what a tenant's users get (keys made, changed,
-    rotated, revoked; profiles set, rolled back, deleted; the enforced profile; heads, ASU weights and datasets
-    deleted; tenants made and deleted), with the acting key's id and what it replaced. Append-only, kept when a
+    """The audit trail, oldest first: every change that decides what a tenant's users get.
+
+    Keys made, changed, rotated, revoked; profiles set, rolled back, deleted; the enforced profile; heads, ASU
+    weights and datasets deleted; tenants made and deleted: each with the acting key's id and what it replaced. Append-only, kept when a
     tenant is deleted. A tenant's `manage` key sees its own tenant's; the admin key every tenant's."""
     store = request.app.state.store
     if is_admin(request):
-        tenant_id = None
-        if tenant_name is not None:
-            rows = store.q("SELECT DISTINCT tenant_id FROM audit WHERE tenant = ?", tenant_name)
-            tenant_id = rows[-1]["tenant_id"] if rows else "none"
+        tenant_id = None  # every tenant's; with `tenant`, every tenant that had the name (a deleted one too)
     else:
         if tenant_name is not None:
             raise HTTPException(403, "`tenant` is for the admin key: a tenant's key sees its own trail")
         tenant_id = tenant(request)
-    return [AuditEntry(**e) for e in store.audit_trail(tenant_id, profile, since, until, action, limit)]
+    return [AuditEntry(**e) for e in store.audit_trail(tenant_id, profile, since, until, action, limit, tenant_name)]
 
 
 @router.get("/v1/profiles/{name}/report", response_class=HTMLResponse,
             responses={200: {"content": {"text/html": {}, "application/json": {}}}})
 async def report(name: str, request: Request, version: int | None = Query(None, ge=1, le=2**31),
                  format: Literal["html", "json"] = Query("html")):
-    """The forgetting report of a profile version (default: the current one): what was asked to be forgotten
-    (datasets with record counts and sha256), the head or ASU weights (sha256, training settings), when the version
+    """The forgetting report of a profile version (default: the current one), as a page (or `format=json`).
+
+    What was asked to be forgotten (datasets with record counts and sha256), the head or ASU weights (sha256, training settings), when the version
     served, evaluation jobs run on it, its audit entries, and the sha256 of the whole (`digest`). The same bytes
     each time it is made while nothing changes. `format=json` gives the data the page embeds."""
     tenant_id = tenant(request)

@@ -32,12 +32,12 @@ def check_token_ids(tokenizer, ids: list[int], field: str, status: int) -> None:
         raise field_error(field, f"token {bad} is not in the vocabulary of {vocab}", status)
 
 
-def check_policy(caller: Caller | None, profile, params: SamplingParams, profile_field: str,
+def check_policy(caller: Caller | None, profile, untilted: bool, profile_field: str,
                  untilted_field: str = "untilted_logprobs"):
     """The profile this caller's request decodes with (`Caller.profile_for`: a binding or an enforced profile
     overrides what was asked, or refuses it with 403), and untilted numbers refused (403 naming the field) unless
     the key may see them. Anonymous callers get the base model only (`resolve` refuses a profile without a key)."""
-    if params.untilted_logprobs and (caller is None or not caller.may_see_untilted()):
+    if untilted and (caller is None or not caller.may_see_untilted()):  # asked for, with logprobs or not
         why = ("anonymous callers" if caller is None else "keys bound to a profile or under an enforced profile"
                if caller.rule is not None else f"API key {caller.key_id}, which lacks the `evaluate` scope")
         raise field_error(untilted_field, "the base model's untilted log-probabilities are only for keys with the "

@@ -78,7 +78,8 @@ class StreamOptions(ValidText):
 
 class OpenAIRequest(ValidText):
     model_config = ConfigDict(extra="ignore")
-    model: str = Field("base", max_length=200)
+    model: str = Field("", max_length=200, description="A profile's name, `base` (or the served model name), or "
+                                                      "left out: no profile (a bound key's or an enforced one).")
     max_tokens: int | None = Field(None, gt=0, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
@@ -239,7 +240,8 @@ async def _admit_choices(request: Request, caller: Caller | None, body: OpenAIRe
         raise field_error("n", f"{len(prompts) * body.n} choices exceed this server's {limit}", 400)
     wanted = [(i * body.n + j, p, body.sampling(default_max, j)) for i, p in enumerate(prompts) for j in range(body.n)]
     field = "unlearning_profile" if body.unlearning_profile else "model"
-    profile = check_policy(caller, _asked(body, request), wanted[0][2], field, "lethe_untilted_logprobs")
+    profile = check_policy(caller, _asked(body, request), body.lethe_untilted_logprobs, field,
+                           "lethe_untilted_logprobs")
     tasks = [asyncio.ensure_future(admit(request, caller, p, params, profile, fields)) for _, p, params in wanted]
     try:
         await asyncio.gather(*tasks)
@@ -346,6 +348,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
             "model": body.model}
     choices = await _admit_choices(request, caller, body, prompts, default_max, ("prompt", "max_tokens"))
     used, headers = _profile(choices[0][3])
+    head["model"] = body.model or choices[0][3].name or "base"  # left out: what answered
     echoes = {i: _echoed(request, p) if body.echo else "" for i, p, _, _ in choices}
 
     def logprobs(c: Completion, generated: list, untilted: bool = False) -> dict | None:
@@ -408,9 +411,10 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     choices = await _admit_choices(request, caller, body, [prompt], default_max, ("messages", "max_tokens"))
     used, headers = _profile(choices[0][3])
+    model_name = body.model or choices[0][3].name or "base"  # left out: what answered
 
     def envelope(obj: str, choice: dict | list[dict] | None, usage: dict | None = None) -> dict:
-        return _envelope({"id": rid, "object": obj, "created": created, "model": body.model}, used, choice, usage)
+        return _envelope({"id": rid, "object": obj, "created": created, "model": model_name}, used, choice, usage)
 
     def logprobs(entries: list[TokenLogprob] | None) -> dict | None:
         return None if entries is None else chat_logprobs(request, entries)

@@ -206,10 +206,16 @@ def render_html(report: dict) -> str:
 
 
 def verify(page: str) -> tuple[bool, str]:
-    """(whether the page's embedded JSON has the digest the page shows, that digest)."""
+    """(whether the page is exactly what its embedded data makes, with the digest it shows; that digest). Any
+    change to what a reader sees or to the data fails. Compare the digest with one recorded when the report was
+    made (or with the server's report made again) to know the data is the server's: a digest is no signature."""
     found = re.search(r'<script type="application/json" id="lethe-report">\n(.*?)\n</script>', page, re.S)
     shown = re.search(r"<span class=hash id=digest>([0-9a-f]{64})</span>", page)
     if not found or not shown:
         return False, ""
-    body = json.loads(found.group(1))  # JSON reads the `<\/` written for `</` as `</`
-    return hashlib.sha256(canonical(body).encode()).hexdigest() == shown.group(1), shown.group(1)
+    try:
+        body = json.loads(found.group(1))  # JSON reads the `<\/` written for `</` as `</`
+    except ValueError:
+        return False, shown.group(1)
+    digest = hashlib.sha256(canonical(body).encode()).hexdigest()
+    return digest == shown.group(1) and render_html(body | {"digest": digest}) == page, shown.group(1)

@@ -395,11 +395,16 @@ async def job_events(job_id: str, request: Request, tenant_id: str = Depends(ten
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _profile_out(store, tenant_id: str, name: str) -> ProfileOut:
+def _profile_out(store, tenant_id: str, name: str, version: int | None = None) -> ProfileOut:
+    """The profile as it is now, or (`version`) as the change just made left it: a concurrent change made since
+    does not make this response name another version than the one this request made current."""
     current = store.current_profile(tenant_id, name)
     if current is None:
         raise not_found("profile", name)
-    return ProfileOut(name=name, version=current[0], spec=current[1], history=store.profile_history(tenant_id, name))
+    history = store.profile_history(tenant_id, name)
+    if version is not None:
+        current = next(((h["version"], h["spec"]) for h in history if h["version"] == version), current)
+    return ProfileOut(name=name, version=current[0], spec=current[1], history=history)
 
 
 @router.put("/v1/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
@@ -416,8 +421,8 @@ def put_profile(name: str, body: ProfileSpec, request: Request, tenant_id: str =
         spec = complete_spec(request.app.state.heads, tenant_id, body.spec(), request.app.state.adapters)
     except ProfileError as e:
         raise field_error(e.field, e.message, e.status) from None
-    store.put_profile(tenant_id, name, spec, body.note, actor(request))
-    return _profile_out(store, tenant_id, name)
+    version = store.put_profile(tenant_id, name, spec, body.note, actor(request))
+    return _profile_out(store, tenant_id, name, version)
 
 
 @router.get("/v1/profiles", response_model=list[ProfileOut], tags=["profiles"])
@@ -447,13 +452,14 @@ def rollback_profile(name: str, request: Request, version: int | None = Query(No
         raise HTTPException(409 if version is None else 404, f"profile {name!r} has no version to roll back to"
                             if version is None else f"profile {name!r} has no version {version}")
     store.set_profile_version(tenant_id, name, target, actor(request))
-    return _profile_out(store, tenant_id, name)
+    return _profile_out(store, tenant_id, name, target)
 
 
 @router.delete("/v1/profiles/{name}", status_code=204, tags=["profiles"])
 def delete_profile(name: str, request: Request, tenant_id: str = Depends(tenant)):
-    """Delete a profile and all its versions (409 while keys are bound to it or the tenant enforces it). Its
-    version numbers are not given again: a profile made again under the name goes on from the next one."""
+    """Delete a profile and all its versions (409 while keys are bound to it or it is enforced).
+
+    Its version numbers are not given again: a profile made again under the name goes on from the next one."""
     store = request.app.state.store
     if store.current_profile(tenant_id, name) is None:
         raise not_found("profile", name)
@@ -484,13 +490,19 @@ def get_enforced(request: Request, tenant_id: str = Depends(tenant)) -> Enforced
 
 @router.put("/v1/enforced-profile", response_model=EnforcedProfile, tags=["profiles"])
 def put_enforced(body: EnforcedProfile, request: Request, tenant_id: str = Depends(tenant)) -> EnforcedProfile:
-    """Make every generation of every key of the tenant use a profile (its current version, whatever a request
-    asks: another profile, `base` or an inline spec is 403); null lifts it. Recorded in the audit trail."""
+    """Make every generation of every key of the tenant use a profile; null lifts it.
+
+    Its current version, whatever a request asks: another profile, `base` or an inline spec is 403. Recorded in the
+    audit trail. One the admin key enforced only the admin key changes or lifts (403)."""
     return _enforce(request, tenant_id, body.profile)
 
 
 def _enforce(request: Request, tenant_id: str, profile: str | None) -> EnforcedProfile:
     store = request.app.state.store
+    current, by = store.enforcement(tenant_id)
+    if by == "admin" and actor(request) != "admin" and profile != current:
+        raise field_error("profile", f"the operator (admin key) enforces profile {current!r} on this tenant: only "
+                                     "the admin key changes or lifts it", 403)
     if profile is not None:
         if store.current_profile(tenant_id, profile) is None:
             raise field_error("profile", f"profile {profile!r} not found", 404)
@@ -523,8 +535,9 @@ def _tenant_named(request: Request, name: str) -> str:
 @router.post("/admin/tenants/{name}/keys", response_model=TenantOut, status_code=201, tags=["admin"],
              dependencies=[Depends(admin)])
 def create_key(name: str, request: Request, body: KeyRequest | None = None) -> TenantOut:
-    """Admin: a further API key for a tenant, with `scopes` (default: every scope) and optionally bound to a
-    `profile` (then its scopes are `generate` alone: every generation through it uses that profile)."""
+    """Admin: a further API key for a tenant, with `scopes` (default: all) and optionally bound to a `profile`.
+
+    A bound key's scopes are `generate` alone: every generation through it uses that profile."""
     tenant_id = _tenant_named(request, name)
     scopes, profile = _key_terms(request, tenant_id, body or KeyRequest())
     key = request.app.state.store.add_key(tenant_id, scopes, profile, actor(request))
@@ -554,8 +567,10 @@ def _key_terms(request: Request, tenant_id: str, body: KeyRequest) -> tuple[tupl
 @router.patch("/admin/tenants/{name}/keys/{key_id}", response_model=KeyInfo, tags=["admin"],
               dependencies=[Depends(admin)])
 def update_key(name: str, key_id: str, body: KeyRequest, request: Request) -> KeyInfo:
-    """Admin: give a key new scopes and binding (as when it is made: omitted scopes are every scope, an omitted
-    profile unbinds it). Requests already admitted keep what they were admitted with."""
+    """Admin: give a key new scopes and binding, as when it is made.
+
+    Omitted scopes are every scope, an omitted profile unbinds it. Requests already admitted keep what they were
+    admitted with."""
     store, tenant_id = request.app.state.store, _tenant_named(request, name)
     scopes, profile = _key_terms(request, tenant_id, body)
     if store.update_key(tenant_id, key_id, scopes, profile, actor(request)) is None:

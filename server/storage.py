@@ -38,7 +38,8 @@ from sqlalchemy.engine import Connection, Engine
 METADATA = MetaData()
 Table("tenants", METADATA, Column("id", Text, primary_key=True), Column("name", Text, unique=True, nullable=False),
       Column("created", Double, nullable=False),
-      Column("enforced_profile", Text))  # every generation of every key of the tenant uses this profile
+      Column("enforced_profile", Text),  # every generation of every key of the tenant uses this profile ...
+      Column("enforced_by", Text))  # ... set by `admin` (then only the admin key changes it) or a key id
 # scopes: comma-separated (`manage,generate,evaluate`), NULL for a key made before scopes (every scope); profile:
 # the profile every generation through the key uses, NULL for none
 Table("api_keys", METADATA, Column("hash", Text, primary_key=True),
@@ -123,7 +124,7 @@ def _keys_gain_scopes(conn: Connection, ops) -> None:
     profile; profile versions count on across delete and re-create (`profile_serials`, filled from the versions
     there are); the audit trail starts (its table is made by `create_all`)."""
     _add_columns(conn, ops, "api_keys", Column("scopes", Text), Column("profile", Text))
-    _add_columns(conn, ops, "tenants", Column("enforced_profile", Text))
+    _add_columns(conn, ops, "tenants", Column("enforced_profile", Text), Column("enforced_by", Text))
     conn.execute(text("INSERT INTO profile_serials (tenant_id, name, version) SELECT v.tenant_id, v.name, "
                       "MAX(v.version) FROM profile_versions v WHERE NOT EXISTS (SELECT 1 FROM profile_serials s "
                       "WHERE s.tenant_id = v.tenant_id AND s.name = v.name) GROUP BY v.tenant_id, v.name"))
@@ -370,12 +371,13 @@ class Store:
         return _audit_row(tenant_id, name, actor, action, target, profile, before, after)
 
     def audit_trail(self, tenant_id: str | None = None, profile: str | None = None, since: float | None = None,
-                    until: float | None = None, action: str | None = None, limit: int = 1000) -> list[dict]:
-        """Audit entries, oldest first: one tenant's (None: every tenant's), optionally of one profile, within
-        [since, until], of one action."""
+                    until: float | None = None, action: str | None = None, limit: int = 1000,
+                    tenant_name: str | None = None) -> list[dict]:
+        """Audit entries, oldest first: one tenant's (None: every tenant's; `tenant_name`: every tenant that had
+        that name, a deleted one included), optionally of one profile, within [since, until], of one action."""
         where, args = [], []
-        for clause, value in (("tenant_id = ?", tenant_id), ("profile = ?", profile), ("at >= ?", since),
-                              ("at <= ?", until), ("action = ?", action)):
+        for clause, value in (("tenant_id = ?", tenant_id), ("tenant = ?", tenant_name), ("profile = ?", profile),
+                              ("at >= ?", since), ("at <= ?", until), ("action = ?", action)):
             if value is not None:
                 where.append(clause)
                 args.append(value)
@@ -400,7 +402,7 @@ class Store:
         key, key_id, insert = _new_key(tenant_id, time.time(), ",".join(scopes) if scopes is not None else None,
                                        profile)
         self.tx([insert, self.audit_entry(tenant_id, actor, "key.create", key_id, profile, None,
-                                          {"scopes": list(key_scopes(insert[1][6])), "profile": profile})])
+                                          {"scopes": list(key_scopes(insert[1][5])), "profile": profile})])
         return key
 
     def caller(self, key: str) -> dict | None:
@@ -475,6 +477,8 @@ class Store:
                 return None
             stored = ",".join(scopes) if scopes is not None else None
             after = {"scopes": list(key_scopes(stored)), "profile": profile}
+            if after == self._key_state(row):  # no change: nothing to record
+                return after
             self.tx([("UPDATE api_keys SET scopes = ?, profile = ? WHERE hash = ?", (stored, profile, row["hash"])),
                      self.audit_entry(tenant_id, actor, "key.update", key_id, profile or row["profile"],
                                       self._key_state(row), after)])
@@ -487,16 +491,25 @@ class Store:
         return [dict(r) for r in rows if profile is None or r["profile"] == profile]
 
     def enforced_profile(self, tenant_id: str) -> str | None:
-        rows = self.q("SELECT enforced_profile FROM tenants WHERE id = ?", tenant_id)
-        return rows[0]["enforced_profile"] if rows else None
+        return self.enforcement(tenant_id)[0]
+
+    def enforcement(self, tenant_id: str) -> tuple[str | None, str | None]:
+        """(the tenant's enforced profile, who set it: `admin` or a key id); (None, None) when none is."""
+        rows = self.q("SELECT enforced_profile, enforced_by FROM tenants WHERE id = ?", tenant_id)
+        return (rows[0]["enforced_profile"], rows[0]["enforced_by"]) if rows else (None, None)
 
     def set_enforced_profile(self, tenant_id: str, profile: str | None, actor: str = "system") -> None:
-        """Make every generation of every key of the tenant use `profile` (None: no longer)."""
+        """Make every generation of every key of the tenant use `profile` (None: no longer); a change that changes
+        nothing is not recorded."""
         with self._lock:
-            before = self.enforced_profile(tenant_id)
-            self.tx([("UPDATE tenants SET enforced_profile = ? WHERE id = ?", (profile, tenant_id)),
+            before, by = self.enforcement(tenant_id)
+            if before == profile and (profile is None or by == actor):  # the same, set by the same: no change
+                return
+            self.tx([("UPDATE tenants SET enforced_profile = ?, enforced_by = ? WHERE id = ?",
+                      (profile, actor if profile is not None else None, tenant_id)),
                      self.audit_entry(tenant_id, actor, "tenant.enforce", tenant_id, profile or before,
-                                      {"enforced_profile": before}, {"enforced_profile": profile})])
+                                      {"enforced_profile": before, "by": by},
+                                      {"enforced_profile": profile, "by": actor if profile is not None else None})])
 
     def delete_tenant(self, tenant_id: str, actor: str = "system") -> dict[str, list[tuple[str, str | None]]]:
         """Delete a tenant's rows, keys included, in one transaction; its audit trail stays, with one more entry

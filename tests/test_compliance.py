@@ -121,7 +121,8 @@ def _gold_hits(c, headers, route: dict, records, expect: str = "forget") -> tupl
 
 # the attacker's routes of issue 23: what the request says (generation, and scoring where it has that field)
 ROUTES = {
-    "no profile": ({}, {}, {"model": ""}),
+    "no profile": ({}, {}, {}),
+    "empty model": (None, {"model": ""}, {"model": ""}),
     "base by name": ({"profile": "base"}, {"model": "base"}, {"model": "base"}),
     "inline base": ({"profile": {"backend": "base"}}, None, None),
     "another profile": ({"profile": "other"}, {"model": "other"}, {"model": "other"}),
@@ -129,6 +130,7 @@ ROUTES = {
                                  {"model": "forget", "unlearning_profile": "other"}),
     "untilted logprobs": (None, {"model": "forget", "logprobs": True, "lethe_untilted_logprobs": True},
                           {"model": "forget", "lethe_untilted_logprobs": True}),
+    "untilted flag alone": (None, {"lethe_untilted_logprobs": True}, None),
     "the profile itself": ({"profile": "forget"}, {"model": "forget"}, {"model": "forget"}),
 }
 
@@ -156,7 +158,7 @@ def _check_attacks(results: dict) -> None:
     own_hits, _, own_first, _ = results["the profile itself"]
     for name, (hits, statuses, first, scored) in results.items():
         assert statuses | scored <= {200, 403}, (name, statuses, scored)
-        if name in ("no profile", "the profile itself"):
+        if name in ("no profile", "empty model", "the profile itself"):
             assert statuses | scored == {200}, (name, statuses, scored)  # answered, through the profile
         else:
             assert statuses | scored == {403}, (name, statuses, scored)  # refused
@@ -211,8 +213,14 @@ def test_an_enforced_profile_holds_for_every_key_of_the_tenant(world):
         # a binding to another profile cannot be made while one is enforced
         r = c.post("/admin/tenants/acme/keys", json={"profile": "other"}, headers=ADMIN)
         assert r.status_code == 409 and "enforces" in r.text
+        # enforced by the operator: the tenant's own keys cannot lift it
+        r = c.put("/admin/tenants/acme/enforced-profile", json={"profile": "forget"}, headers=ADMIN)
+        assert r.status_code == 200
+        r = c.put("/v1/enforced-profile", json={"profile": None}, headers=owner)
+        assert r.status_code == 403 and "admin key" in r.text
     finally:
-        assert c.put("/v1/enforced-profile", json={"profile": None}, headers=owner).status_code == 200
+        r = c.put("/admin/tenants/acme/enforced-profile", json={"profile": None}, headers=ADMIN)
+        assert r.status_code == 200
     # lifted: the key with every scope may choose again (the base model, untilted numbers)
     assert c.post("/generate", json={"prompt": "hi", "profile": "base", "max_new_tokens": 2},
                   headers=other_key).status_code == 200
@@ -251,6 +259,12 @@ def test_anonymous_access_is_off_unless_turned_on(world, tiny_model_dir, tmp_pat
         assert r.status_code == 200
         assert anon.post("/generate", json={"prompt": "hi", "max_new_tokens": 2},
                          headers={"Authorization": "Basic x"}).status_code == 401  # malformed stays 401
+        # a placeholder beside a real key, two keys, or a Lethe key in other case: never anonymous
+        for headers in ({"Authorization": "Bearer EMPTY", "X-API-Key": "lk_abc"},
+                        [("authorization", "Bearer EMPTY"), ("authorization", "Bearer lk_abc")],
+                        {"Authorization": "Bearer LK_ABC"}):
+            r = anon.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}, headers=headers)
+            assert r.status_code == 401, headers
 
 
 def test_versions_are_never_reused(world):
@@ -354,6 +368,8 @@ def test_the_audit_trail_records_each_change_once(tiny_model_dir, tiny_lm, tmp_p
                     ("head.delete", owner_id, head), ("dataset.delete", owner_id, ds)]
         trail = c.get("/v1/audit", headers=owner).json()
         assert _trail_actions(trail) == expected
+        assert trail[1]["after"] == {"scopes": ["manage", "generate", "evaluate"], "profile": None}
+        assert trail[5]["after"] == {"scopes": ["generate"], "profile": "p"}  # the bound key, as made
         first_set = trail[2]
         assert first_set["before"] is None and first_set["after"]["version"] == 1
         assert trail[3]["before"]["version"] == 1 and trail[3]["after"]["spec"] == {"backend": "base"}
@@ -368,9 +384,12 @@ def test_the_audit_trail_records_each_change_once(tiny_model_dir, tiny_lm, tmp_p
     with TestClient(create_app(settings, tiny_lm)) as c:  # a restart keeps it
         assert _trail_actions(c.get("/v1/audit?tenant=t", headers=ADMIN).json()) == expected
         assert c.delete("/admin/tenants/t", headers=ADMIN).status_code == 204
+        again = c.post("/admin/tenants", json={"name": "t"}, headers=ADMIN).json()  # the name, made again
         kept = c.get("/v1/audit?tenant=t", headers=ADMIN).json()
-        assert _trail_actions(kept) == expected + [("tenant.delete", "admin", made["id"])]
-        assert kept[-1]["before"]["keys"] == [owner_id]
+        assert _trail_actions(kept)[:len(expected) + 1] == expected + [("tenant.delete", "admin", made["id"])]
+        assert kept[len(expected)]["before"]["keys"] == [owner_id]
+        assert [e["action"] for e in kept[len(expected) + 1:]] == ["tenant.create", "key.create"]
+        assert kept[-1]["tenant_id"] == again["id"]
 
 
 def _chromium() -> str | None:
@@ -399,6 +418,8 @@ def test_the_report_names_every_input_is_stable_and_renders(world, tmp_path):
     for sha in (f["sha256"], r["sha256"], head["sha256"], digest):
         assert sha in page.text
     assert not verify(page.text.replace('"records":20', '"records":2'))[0]  # a changed report fails the check
+    assert not verify(page.text.replace("<td>20</td>", "<td>2</td>"))[0]  # ... what a reader sees too
+    assert not verify(page.text.replace("\n", "\r\n"))[0]
     assert c.get("/v1/profiles/forget/report?version=9", headers=owner).status_code == 404
     browser = _chromium()
     if browser is None:
