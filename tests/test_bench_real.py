@@ -39,7 +39,7 @@ def test_every_kind_holds_out_its_last_question():
 
 @pytest.mark.real
 def test_bench_real_quick_run_forgets_the_topic_and_scores_fluency(real_lm):
-    from lethe.heads.evaluation.real import RealBenchConfig, markdown, run
+    from lethe.server.bench.real import RealBenchConfig, markdown, run
 
     report = run(real_lm, RealBenchConfig(limit=6, seeds=(0,), temperatures=(1.0,), max_new_tokens=16,
                                           variants={"abstain": {"abstain": "I don't know.", "abstain_above": 0.7}}),
@@ -60,7 +60,7 @@ def test_bench_real_quick_run_forgets_the_topic_and_scores_fluency(real_lm):
 def test_bench_heads_serves_every_tenant_its_own_head(tiny_model_dir, tmp_path):
     from lethe.heads.modelio import load_model
     from live_server import ADMIN_KEY, running_server
-    from lethe.server.multihead import bench_heads
+    from lethe.server.bench.heads import bench_heads
 
     lm = load_model(tiny_model_dir)
     with running_server(lm, tmp_path) as url:

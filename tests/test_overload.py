@@ -2,7 +2,7 @@
 
 from lethe.heads.modelio import load_model
 from live_server import running_server
-from lethe.server.soak import soak
+from lethe.server.bench.soak import soak
 
 
 def test_short_soak_answers_429_with_retry_after_frees_leavers_and_serves_past_a_slow_client(tiny_model_dir,

@@ -113,7 +113,7 @@ def test_llama_cpp_decodes_in_a_process_of_its_own_the_same_alone_and_batched(re
     """`lethe bench engine`'s llama.cpp runs (llama-cpp-python as `make install` builds it): a
     sequence decoded alone and the same sequence among 8 in one batch give the same greedy tokens."""
     pytest.importorskip("llama_cpp")
-    from lethe.heads.evaluation.engine_bench import llamacpp_run
+    from lethe.server.bench.engine import llamacpp_run
     from lethe.heads.records import ask
 
     tok = real_lm.tokenizer

@@ -248,7 +248,7 @@ def test_bench_scale_tells_each_process_role_apart():
     role once counted it among Ray's other processes)."""
     from types import SimpleNamespace
 
-    from lethe.server.scale import _role
+    from lethe.server.bench.scale import _role
 
     def proc(line: str):
         return SimpleNamespace(pid=1, cmdline=lambda: line.split(), name=lambda: line)

@@ -1,2 +1,2 @@
 """Evaluation: TOFU metrics of a profile (`evaluate`), text metrics (`metrics`), teacher-forced scoring
-(`scoring`), the quality tables (`ablation`) and the speed bench (`bench`)."""
+(`scoring`), facts from templates (`facts`). The benches that use them are in `lethe.server.bench`."""

@@ -92,7 +92,7 @@ def _own_server(args, **settings):
 
 
 def cmd_bench_soak(args) -> int:
-    from lethe.server.soak import soak
+    from lethe.server.bench.soak import soak
 
     def run(url: str) -> dict:
         return soak(url, args.key, clients=args.clients, duration=args.duration, max_new_tokens=args.max_new_tokens)
@@ -110,7 +110,7 @@ def cmd_bench_soak(args) -> int:
 def cmd_bench_heads(args) -> int:
     import secrets
 
-    from lethe.server.multihead import bench_heads
+    from lethe.server.bench.heads import bench_heads
 
     admin = secrets.token_urlsafe(16)
     with _own_server(args, admin_key=admin, demo_tenant=False) as (url, lm):
@@ -125,7 +125,7 @@ def cmd_bench_scale(args) -> int:
 
     from lethe.heads.io import atomic_write_text
     from lethe.heads.modelio import load_model
-    from lethe.server.scale import bench_scale
+    from lethe.server.bench.scale import bench_scale
 
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("psycopg") is None:
         raise ValueError("bench scale needs Ray Serve and psycopg: pip install 'lethe[ray]'")

@@ -75,7 +75,7 @@ def _table_run(args, header, row, make_rows) -> list:
 
 
 def cmd_bench_quality(args) -> int:
-    from lethe.heads.evaluation.ablation import markdown_header, markdown_row, quality_table
+    from lethe.server.bench.quality import markdown_header, markdown_row, quality_table
     from lethe.heads.evaluation.evaluate import EvalConfig, plot_reports
 
     rows = _table_run(args, markdown_header, markdown_row, lambda lm, ref, f, r, log: quality_table(
@@ -103,7 +103,7 @@ def _named_json(text: str) -> tuple[str, dict]:
 
 
 def cmd_bench_real(args) -> int:
-    from lethe.heads.evaluation.real import RealBenchConfig, markdown, run
+    from lethe.server.bench.real import RealBenchConfig, markdown, run
     from lethe.heads.io import atomic_write_text
     from lethe.heads.modelio import load_model
     from lethe.heads.t3.train import FitConfig
@@ -124,7 +124,7 @@ def cmd_bench_real(args) -> int:
 
 
 def cmd_bench_asu(args) -> int:
-    from lethe.heads.evaluation.ablation import asu_header, asu_row, asu_table
+    from lethe.server.bench.quality import asu_header, asu_row, asu_table
     from lethe.heads.evaluation.evaluate import EvalConfig
 
     _table_run(args, asu_header, asu_row, lambda lm, ref, f, r, log: asu_table(

@@ -40,7 +40,7 @@ def register(bench: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_t3(args) -> int:
-    from lethe.heads.evaluation.bench import bench_t3
+    from lethe.server.bench.t3 import bench_t3
     from lethe.heads.modelio import load_model
     from lethe.heads.records import read_jsonl
     from lethe.heads.t3.pipeline import train_head
@@ -51,7 +51,7 @@ def cmd_bench_t3(args) -> int:
     if head is None and not args.random_model:
         head, _ = train_head(lm, forget, retain, progress=False)
     if args.random_model:
-        from lethe.heads.evaluation.bench import random_model
+        from lethe.server.bench.t3 import random_model
 
         result = {"models": []}
         for hidden, layers in args.random_model:
@@ -113,7 +113,7 @@ def _print_bench_decode(rows: list[dict]) -> None:
 def cmd_bench_engine(args) -> int:
     import importlib.util
 
-    from lethe.heads.evaluation.engine_bench import bench_engine
+    from lethe.server.bench.engine import bench_engine
     from lethe.heads.io import atomic_write_text
     from lethe.heads.modelio import load_model
     from lethe.heads.records import ask, read_jsonl, resolve_format

@@ -6,7 +6,7 @@ included in every figure):
 * Lethe's decode loop without a head and with a T3 head, at batch 1 and batch 8, on each backend: torch (the model
   as loaded) and, given `decoder` (`heads.decoding.llamacpp`), the llama.cpp engine on the GGUF file;
 * llama.cpp on the model's GGUF file (`gguf`, with llama-cpp-python installed), single stream, in each way this
-  build runs (`heads.evaluation.llamacpp`: its defaults, token by token, without CPU-specific layouts), each in a
+  build runs (`server.bench.engine_llamacpp`: its defaults, token by token, without CPU-specific layouts), each in a
   process of its own, since some builds crash on batched prompts; and 8 sequences in one batch.
 Then the issue-16 ratios against llama.cpp's fastest single stream (of Lethe's fastest backend with a head), and
 greedy equality of whole answers (up to end-of-text) over `equality` prompts: Lethe against `model.generate`,
@@ -28,20 +28,20 @@ import torch
 
 from lethe.heads.decoding.decode import eos_ids, generate, generate_chunked
 from lethe.heads.decoding.sampling import SamplingParams
-from lethe.heads.evaluation.bench import _paired_ratio, _timed_runs, hf_generate
 from lethe.heads.t3.guide import HeadGuide, TiltSettings
 from lethe.heads.t3.head import T3Head
+from lethe.server.bench.t3 import _paired_ratio, _timed_runs, hf_generate
 
 LLAMA_MODES = ("default", "token", "plain")
 
 
 def llamacpp_run(gguf: Path, prompt_ids: list[list[int]], new_tokens: int, mode: str, batch: int, rounds: int,
                  answers: bool = False, timeout: float = 900) -> dict:
-    """One `heads.evaluation.llamacpp` run in a process of its own: its JSON, or {"error": why} if it crashed."""
+    """One `server.bench.engine_llamacpp` run in a process of its own: its JSON, or {"error": why} if it crashed."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompt_ids, f)
     try:
-        proc = subprocess.run([sys.executable, "-m", "lethe.heads.evaluation.llamacpp", str(gguf), f.name,
+        proc = subprocess.run([sys.executable, "-m", "lethe.server.bench.engine_llamacpp", str(gguf), f.name,
                                str(new_tokens), mode, str(batch), str(rounds)] + (["answers"] if answers else []),
                               capture_output=True, text=True, timeout=timeout)
     finally:

@@ -2,7 +2,7 @@
 several sequences in one batch, timed, in a process of its own (a llama.cpp build that crashes must not take the
 bench down with it).
 
-    python -m lethe.heads.evaluation.llamacpp FILE.gguf PROMPTS.json NEW_TOKENS MODE BATCH ROUNDS [answers]
+    python -m lethe.server.bench.engine_llamacpp FILE.gguf PROMPTS.json NEW_TOKENS MODE BATCH ROUNDS [answers]
 
 PROMPTS.json holds token-id lists. MODE is one of
     default      llama.cpp's own defaults, as a llama.cpp user runs it: the prompt in batches of 512 tokens, and its

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from lethe.server.multihead import _key, _tenant_with_head, load
+from lethe.server.bench.heads import _key, _tenant_with_head, load
 
 
 def _wait(url: str, timeout: float = 180) -> None:

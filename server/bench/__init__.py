@@ -1,0 +1,16 @@
+"""The benchmarks behind `lethe bench ...` (their command line: `lethe.clients.cli.bench`), one module a bench:
+
+    t3.py               `lethe bench t3`: T3's decoding overhead, speed against `model.generate`, training time
+    engine.py           `lethe bench engine`: decode speed against `model.generate` and llama.cpp, with and without
+                        a head
+    engine_llamacpp.py  llama.cpp itself on a GGUF file, for `lethe bench engine`: run in a process of its own
+                        (`python -m lethe.server.bench.engine_llamacpp ...`)
+    quality.py          `lethe bench t3-quality` and `lethe bench asu-quality`: the quality tables
+    real.py             `lethe bench real`: forgetting a topic a pretrained chat model knows, with fluency measured
+    soak.py             `lethe bench soak`: a fixed-duration load run against a server
+    heads.py            `lethe bench heads`: one client alone against N clients on N heads at once
+    scale.py            `lethe bench scale`: 2 Ray Serve replicas against 1, and Ray's routing overhead
+
+Above `heads/` and `server/`: a bench may import both. The evaluation math they use (`evaluate`, `metrics`,
+`scoring`, `facts`) stays in `lethe.heads.evaluation`. Heavy imports stay inside the functions that need them.
+"""
