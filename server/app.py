@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from lethe.heads.modelio import LoadedModel, load_model
@@ -31,7 +32,7 @@ from lethe.server.metrics import Metrics
 from lethe.server.profiles import AdapterCache, HeadCache
 from lethe.server.quotas import QuotaExceeded, Quotas
 from lethe.server.protocol import (DetokenizeRequest, DetokenizeResponse, GenerateRequest, GenerateResponse, Health,
-                             ProfileUsed, Ready, TokenizeRequest, TokenizeResponse, Usage, Version)
+                             ProfileUsed, Ready, TokenizeRequest, TokenizeResponse, TokenizerInfo, Usage, Version)
 from lethe.server.settings import Settings
 from lethe.server.storage import LEGACY, Store, StoredFileError
 
@@ -381,18 +382,38 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         """Token ids of a prompt (or of chat messages through the chat template), as vLLM's /tokenize."""
         engine: Engine = request.app.state.engine
-        text = body.prompt if body.prompt is not None else openai_api.chat_prompt(engine.lm.tokenizer, body.messages)
-        with engine.tokenizer_lock:
-            tokens = engine.lm.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"]
+
+        def tokenize() -> list[int]:  # in proportion to the input: never on the event loop
+            text = body.prompt if body.prompt is not None else openai_api.chat_prompt(engine.lm.tokenizer,
+                                                                                      body.messages)
+            with engine.tokenizer_lock:
+                return engine.lm.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"]
+
+        tokens = await run_in_threadpool(tokenize)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.context_length)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, tags=["operations"],
+             dependencies=[Depends(optional_tenant)])
+    async def tokenizer_info(request: Request) -> TokenizerInfo:
+        """The tokenizer's special tokens, chat template and context, as vLLM's /tokenizer_info."""
+        engine: Engine = request.app.state.engine
+        tok = engine.lm.tokenizer
+        template = getattr(tok, "chat_template", None)
+        return TokenizerInfo(tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, bos_token=tok.bos_token,
+                             pad_token=tok.pad_token, chat_template=template if isinstance(template, str) else None,
+                             model_max_length=engine.context_length)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, tags=["operations"],
               dependencies=[Depends(optional_tenant)])
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         """The text of token ids, as vLLM's /detokenize."""
         engine: Engine = request.app.state.engine
-        check_token_ids(engine.lm.tokenizer, body.tokens, "tokens", 422)
-        return DetokenizeResponse(prompt=engine.detokenize(body.tokens))
+
+        def detokenize() -> str:
+            check_token_ids(engine.lm.tokenizer, body.tokens, "tokens", 422)
+            return engine.detokenize(body.tokens)
+
+        return DetokenizeResponse(prompt=await run_in_threadpool(detokenize))
 
     @app.get("/metrics", tags=["operations"])
     async def metrics(request: Request) -> Response:

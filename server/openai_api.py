@@ -19,12 +19,14 @@ Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message",
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
+from starlette.concurrency import run_in_threadpool
 
 from lethe.heads.decoding.decode import Completion
 from lethe.heads.decoding.logprobs import TokenLogprob, token_bytes
@@ -336,20 +338,27 @@ def _echoed(request: Request, prompt) -> str:
 async def completions(body: CompletionRequest, request: Request, response: Response,
                       caller: Caller | None = Depends(generating)):
     """OpenAI-compatible completions; `model` (or `unlearning_profile`) picks the profile."""
-    prompts = body.check_prompts(request.app.state.engine.lm.tokenizer)
+    # checking token ids, tokenizing and building the answer take time in proportion to the input: off the loop
+    prompts = await run_in_threadpool(body.check_prompts, request.app.state.engine.lm.tokenizer)
     body.checks(len(prompts) * body.n)
     if body.stream and body.echo and body.logprobs is not None:
         raise field_error("logprobs", "the prompt's logprobs (echo with logprobs) are not streamed: "
                                       "ask without stream", 400)
     if body.suffix:
         raise field_error("suffix", "suffix is not supported by this server", 400)
-    default_max = 16 if body.max_tokens is not None else _default_max(request, max(prompts, key=len), 16)
+    default_max = 16 if body.max_tokens is not None else \
+        await run_in_threadpool(_default_max, request, max(prompts, key=len), 16)
+    if body.logprobs is not None:
+        echoed = await run_in_threadpool(lambda: max(request.app.state.engine.count_tokens(p) if isinstance(p, str)
+                                                     else len(p) for p in prompts)) if body.echo else 0
+        _check_answer_size(request, len(prompts) * body.n, (body.max_tokens or default_max) + echoed, body.logprobs,
+                           body.lethe_untilted_logprobs, "n, prompt, max_tokens, logprobs, echo")
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
     choices = await _admit_choices(request, caller, body, prompts, default_max, ("prompt", "max_tokens"))
     used, headers = _profile(choices[0][3])
     head["model"] = body.model or choices[0][3].name or "base"  # left out: what answered
-    echoes = {i: _echoed(request, p) if body.echo else "" for i, p, _, _ in choices}
+    echoes = await run_in_threadpool(lambda: {i: _echoed(request, p) if body.echo else "" for i, p, _, _ in choices})
 
     def logprobs(c: Completion, generated: list, untilted: bool = False) -> dict | None:
         if body.logprobs is None:
@@ -387,8 +396,8 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                       lambda done: _stream_usage(body, done, lambda usage: _envelope(head, used, None, usage)),
                       headers)
     done = await _complete_all(request, choices)
-    response.headers.update(headers)
-    return _envelope(head, used, [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(done, body.n))
+    return await _answer(lambda: _envelope(head, used, [choice(i, c) for (i, *_), c in zip(choices, done)],
+                                           _usage(done, body.n)), headers)
 
 
 def _stream_usage(body: OpenAIRequest, done: list[Completion], envelope) -> list[dict]:
@@ -406,8 +415,11 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     body.logprob_counts()  # top_logprobs without logprobs is refused before anything is admitted
     if body.max_completion_tokens:  # OpenAI's newer name wins over the deprecated max_tokens, as in vLLM
         body.max_tokens = body.max_completion_tokens
-    prompt = chat_prompt(request.app.state.engine.lm.tokenizer, body.messages)
-    default_max = 64 if body.max_tokens else _default_max(request, prompt, 64)
+    prompt = await run_in_threadpool(chat_prompt, request.app.state.engine.lm.tokenizer, body.messages)
+    default_max = 64 if body.max_tokens else await run_in_threadpool(_default_max, request, prompt, 64)
+    if body.logprobs:
+        _check_answer_size(request, body.n, body.max_tokens or default_max, body.top_logprobs or 0,
+                           body.lethe_untilted_logprobs, "n, max_tokens, top_logprobs")
     rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     choices = await _admit_choices(request, caller, body, [prompt], default_max, ("messages", "max_tokens"))
     used, headers = _profile(choices[0][3])
@@ -444,7 +456,6 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
                       lambda done: _stream_usage(body, done, lambda usage: envelope("chat.completion.chunk", None,
                                                                                      usage)), headers)
     done = await _complete_all(request, choices)
-    response.headers.update(headers)
 
     def choice(i: int, c: Completion) -> dict:
         out = {"index": i, "message": {"role": "assistant", "content": c.text.lstrip()},
@@ -453,7 +464,28 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
             out["lethe_untilted_logprobs"] = logprobs(c.untilted_logprobs)
         return out
 
-    return envelope("chat.completion", [choice(i, c) for (i, *_), c in zip(choices, done)], _usage(done, body.n))
+    return await _answer(lambda: envelope("chat.completion", [choice(i, c) for (i, *_), c in zip(choices, done)],
+                                          _usage(done, body.n)), headers)
+
+
+def _check_answer_size(request: Request, choices: int, tokens: int, alternatives: int, untilted: bool,
+                       fields: str) -> None:
+    """An answer with log-probabilities has choices x tokens x (1 + alternatives) entries (twice with untilted
+    ones): beyond LETHE_MAX_LOGPROB_ENTRIES it is refused before anything decodes (400 naming the fields)."""
+    entries = choices * tokens * (1 + alternatives) * (2 if untilted else 1)
+    limit = request.app.state.settings.max_logprob_entries
+    if entries > limit:
+        raise field_error(fields.split(",")[0], f"the answer would hold {entries:,} log-probability entries "
+                                                f"({fields}), more than this server's {limit:,} "
+                                                "(LETHE_MAX_LOGPROB_ENTRIES): ask for fewer", 400)
+
+
+async def _answer(build, headers: dict[str, str]) -> Response:
+    """The whole answer, built and encoded off the event loop (a large one takes seconds)."""
+    def encoded() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    return Response(await run_in_threadpool(encoded), media_type="application/json", headers=headers)
 
 
 def _model(name: str) -> dict:

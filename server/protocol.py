@@ -362,6 +362,17 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
+class TokenizerInfo(BaseModel):
+    """What a remote tokenizer needs (vLLM's /tokenizer_info, as lm-evaluation-harness's `tokenizer_backend=remote`
+    reads it)."""
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
 class DetokenizeRequest(ValidText):
     model_config = ConfigDict(extra="ignore")
     tokens: list[int] = Field(max_length=MAX_PROMPT_CHARS)

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(50 * 2**20, gt=0, description="Largest dataset upload; more answer 413.")
     max_dataset_records: int = Field(50_000, gt=0, description="Records a dataset may hold; more answer 422.")
     max_request_bytes: int = Field(2**20, gt=0, description="Largest JSON request body; more answer 413.")
+    max_logprob_entries: int = Field(200_000, gt=0, description="Log-probability entries one answer may hold (choices "
+                                                                "x tokens x (1 + alternatives), twice with untilted "
+                                                                "ones); more answer 400.")
     body_timeout: float = Field(30.0, gt=0, description="Seconds a request body may stall; then 408.")
     quota_datasets: int = Field(100, gt=0, description="Datasets a tenant may hold; more answer 429.")
     quota_dataset_bytes: int = Field(2**30, gt=0, description="Bytes of datasets a tenant may hold.")

@@ -137,6 +137,32 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _keys_gain_ids), (2, _jobs_gain_he
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
+def hold_data_dir(data_dir: Path):
+    """Take the data directory for this process (an exclusive lock on `<data dir>/serve.lock`, with this process's
+    id in it), or refuse it (ValueError naming the process that holds it): two servers on one SQLite database and
+    blob store would each clean up the other's files. The lock lasts while the returned file stays open (it goes
+    with the process, however it ends)."""
+    import fcntl
+    import os
+
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(data_dir) / "serve.lock"
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ValueError(f"the data directory {data_dir} is in use by another Lethe server (process {holder}): stop "
+                         "it, or give this one another --data-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 

@@ -78,10 +78,13 @@ def test_a_database_of_the_release_before_versioned_schemas_is_upgraded_in_place
     store = Store(tmp_path, database_url)
     assert store.found_version == 0
     assert store.tenant_for_key("lk_old") == "ten_old"  # old keys keep working
+    old = store.caller("lk_old")  # ... with every scope and no binding, as before scopes
+    assert old["scopes"] == ("manage", "generate", "evaluate") and old["profile"] is None and old["enforced"] is None
     (key,) = store.keys("ten_old")
     assert key["id"].startswith("key_") and key["created"] == 2.5
     tenant, _ = store.create_tenant("new")  # and the tables this release adds are there
     assert store.put_profile(tenant, "p", {}) == 1
+    assert [e["action"] for e in store.audit_trail(tenant)] == ["tenant.create", "key.create", "profile.set"]
     store.close()
     with sqlalchemy.create_engine(store.url).begin() as conn:  # a schema newer than this release is refused
         conn.execute(sqlalchemy.text("UPDATE lethe_schema SET version = :v"), {"v": SCHEMA_VERSION + 1})

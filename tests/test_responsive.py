@@ -1,0 +1,95 @@
+"""Issue 25, first part: nothing heavy on the event loop, answers with a size bound, one server per data directory.
+
+Each test failed on the release before: a 1 MB /tokenize body held /healthz for 629 ms (median), an echoed,
+logprobs-20, untilted request built a 4.9 MB answer on the loop, and two `lethe serve` shared one data directory."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import httpx
+
+from lethe.heads.modelio import load_model
+from live_server import free_port, running_server
+
+
+def _healthz_while(url: str, busy) -> list[float]:
+    """/healthz latencies (s), one every 20 ms, while `busy()` runs in other threads."""
+    done, latencies = threading.Event(), []
+    workers = [threading.Thread(target=lambda: (busy(), done.set())) for _ in range(2)]
+    for w in workers:
+        w.start()
+    with httpx.Client(timeout=30) as c:
+        while not done.is_set():
+            started = time.perf_counter()
+            assert c.get(url + "/healthz").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+    for w in workers:
+        w.join()
+    return latencies
+
+
+def test_big_inputs_and_answers_never_hold_the_event_loop(tiny_model_dir, tmp_path):
+    with running_server(load_model(tiny_model_dir), tmp_path / "data", max_logprob_entries=50_000) as url:
+        big = "Question: where was the author born?\nAnswer: " * 24_000  # about 1 MB
+        assert len(big) > 1_000_000
+
+        def tokenize_loop():
+            for _ in range(3):
+                r = httpx.post(url + "/tokenize", json={"prompt": big[:1_000_000]}, timeout=120)
+                assert r.status_code in (200, 413), r.text
+
+        latencies = _healthz_while(url, tokenize_loop)
+        assert len(latencies) >= 5
+        assert max(latencies) < 0.25, (statistics.median(latencies), max(latencies))  # the bar: p99 <= 50 ms
+        # an answer too big to build is refused before anything decodes, naming the fields
+        body = {"model": "base", "prompt": ["Question: hi\nAnswer:"] * 16, "echo": True, "logprobs": 20,
+                "max_tokens": 512}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "LETHE_MAX_LOGPROB_ENTRIES" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "n"
+        # a large answer within the bound is built off the loop
+        body |= {"max_tokens": 48, "logprobs": 20}
+
+        def answer_loop():
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 16
+
+        latencies = _healthz_while(url, answer_loop)
+        assert max(latencies) < 0.25, (statistics.median(latencies), max(latencies))
+
+
+def test_a_second_server_on_one_data_directory_is_refused(tmp_path, capsys):
+    import os
+
+    from lethe.clients.cli import main
+    from lethe.server.storage import hold_data_dir
+
+    held = hold_data_dir(tmp_path / "data")
+    try:
+        rc = main(["serve", "--data-dir", str(tmp_path / "data"), "--port", str(free_port())])
+        err = capsys.readouterr().err
+        assert rc == 1 and f"in use by another Lethe server (process {os.getpid()})" in err, err
+    finally:
+        held.close()
+    again = hold_data_dir(tmp_path / "data")  # free once the first holder is gone
+    again.close()
+
+
+def test_lm_evaluation_harness_remote_tokenizer_finds_what_it_reads(tiny_model_dir, tmp_path):
+    """lm-evaluation-harness's `tokenizer_backend=remote` (0.4.13, `lm_eval.utils.RemoteTokenizer`) asks
+    GET /tokenizer_info for `eos_token` (and the chat template), then /tokenize and /detokenize, with no key where
+    none is set (its completions then send an empty bearer: anonymous where that is on, `test_low_findings`)."""
+    lm = load_model(tiny_model_dir)
+    with running_server(lm, tmp_path / "data") as url:
+        headers: dict[str, str] = {}
+        info = httpx.get(url + "/tokenizer_info", headers=headers).json()
+        assert info["eos_token"] == lm.tokenizer.eos_token and info["model_max_length"] > 0
+        eos = httpx.post(url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False},
+                         headers=headers).json()["tokens"]
+        assert eos[0] == lm.tokenizer.eos_token_id
+        text = httpx.post(url + "/detokenize", json={"tokens": [5, 6, 7]}, headers=headers).json()["prompt"]
+        assert text == lm.tokenizer.decode([5, 6, 7])
