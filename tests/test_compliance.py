@@ -155,6 +155,7 @@ def _attack(world, headers) -> dict:
 
 
 def _check_attacks(results: dict) -> None:
+    print("route: (gold hits, generation statuses, gold first by scoring, scoring statuses)", results)  # with -s
     own_hits, _, own_first, _ = results["the profile itself"]
     for name, (hits, statuses, first, scored) in results.items():
         assert statuses | scored <= {200, 403}, (name, statuses, scored)
@@ -172,6 +173,8 @@ def test_the_attack_works_on_a_key_without_rules(world):
     own_hits, _ = _gold_hits(c, world["owner"], {"generate": {"profile": "forget"}}, world["forget"])
     base_first, _ = _gold_first_by_scoring(c, world["owner"], {"model": "base"}, world, expect="base")
     own_first, _ = _gold_first_by_scoring(c, world["owner"], {"model": "forget"}, world)
+    print(f"plain key, {len(world['forget'])} forget records: gold hits base {base_hits}, profile {own_hits}; "
+          f"gold first by scoring base {base_first}, profile {own_first}")  # with -s
     assert base_hits >= 15 and own_hits <= base_hits - 8, (base_hits, own_hits)
     assert base_first >= 15 and own_first < base_first, (base_first, own_first)
 
