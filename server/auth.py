@@ -94,9 +94,8 @@ def generating(request: Request) -> Caller | None:
     """The caller of a generation route: a key with the `generate` scope, or nobody (when anonymous access is on);
     a wrong key is 401, a key without the scope 403."""
     caller = _caller(request, request.app.state.settings.allow_anonymous)
-    if caller is not None and "generate" not in caller.scopes:
-        raise HTTPException(403, f"API key {caller.key_id} lacks the `generate` scope (it has: "
-                                 f"{', '.join(caller.scopes) or 'none'})")
+    if caller is not None:
+        _require(caller, "generate")
     return caller
 
 
@@ -110,10 +109,15 @@ def tenant(request: Request) -> str:
     """The caller's tenant id, for the tenant's resources (datasets, heads, ASU weights, jobs, profiles,
     evaluation): a key with the `manage` scope (403 without it)."""
     caller = _caller(request, anonymous_ok=False)
-    if "manage" not in caller.scopes:
-        raise HTTPException(403, f"API key {caller.key_id} lacks the `manage` scope (it has: "
-                                 f"{', '.join(caller.scopes) or 'none'}): ask for a key with it")
+    _require(caller, "manage")
     return caller.tenant_id
+
+
+def _require(caller: Caller, scope: str) -> None:
+    """403 naming the scope a key lacks."""
+    if scope not in caller.scopes:
+        raise HTTPException(403, f"API key {caller.key_id} lacks the `{scope}` scope (it has: "
+                                 f"{', '.join(caller.scopes) or 'none'}): ask for a key with it")
 
 
 def actor(request: Request) -> str:

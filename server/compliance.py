@@ -28,8 +28,9 @@ def audit(request: Request, profile: str | None = Query(None, max_length=200),
     """The audit trail, oldest first: every change that decides what a tenant's users get.
 
     Keys made, changed, rotated, revoked; profiles set, rolled back, deleted; the enforced profile; heads, ASU
-    weights and datasets deleted; tenants made and deleted: each with the acting key's id and what it replaced. Append-only, kept when a
-    tenant is deleted. A tenant's `manage` key sees its own tenant's; the admin key every tenant's."""
+    weights and datasets deleted; tenants made and deleted: each with the acting key's id and what it replaced.
+    Append-only, kept when a tenant is deleted. A tenant's `manage` key sees its own tenant's; the admin key
+    every tenant's."""
     store = request.app.state.store
     if is_admin(request):
         tenant_id = None  # every tenant's; with `tenant`, every tenant that had the name (a deleted one too)
@@ -46,9 +47,10 @@ async def report(name: str, request: Request, version: int | None = Query(None, 
                  format: Literal["html", "json"] = Query("html")):
     """The forgetting report of a profile version (default: the current one), as a page (or `format=json`).
 
-    What was asked to be forgotten (datasets with record counts and sha256), the head or ASU weights (sha256, training settings), when the version
-    served, evaluation jobs run on it, its audit entries, and the sha256 of the whole (`digest`). The same bytes
-    each time it is made while nothing changes. `format=json` gives the data the page embeds."""
+    What was asked to be forgotten (datasets with record counts and sha256), the head or ASU weights (sha256,
+    training settings), when the version served, evaluation jobs run on it, its audit entries, and the sha256 of
+    the whole (`digest`). The same bytes each time it is made while nothing changes. `format=json` gives the data
+    the page embeds."""
     tenant_id = tenant(request)
     engine = request.app.state.engine
     model = {"name": Path(str(engine.lm.path)).name, "fingerprint": engine.lm.fingerprint}

@@ -74,11 +74,10 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.ray_address is not None:
         raise UsageError("--replicas and --ray-address need --ray")
     sock = _listen(settings.host, settings.port)  # first: a busy port fails before a model loads or a key is made
-    held = None
-    if not settings.database_url:  # one process on SQLite: the data directory is this server's alone
-        from lethe.server.storage import hold_data_dir
+    from lethe.server.storage import hold_data_dir
 
-        held = hold_data_dir(settings.data_dir)  # noqa: F841 (held while the server runs)
+    # one process on SQLite: the data directory is this server's alone, for as long as `held` is open
+    held = hold_data_dir(settings.data_dir) if not settings.database_url else None  # noqa: F841
     _check_store(settings)
     checked = None
     if settings.engine == "llamacpp":
