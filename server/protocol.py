@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
 from lethe.heads.t3.guide import MAX_CANDIDATES, MAX_REPEAT_GUARD, MAX_REPLY, MIN_T
+from lethe.heads.t3.pooling import DEFAULT_WINDOW, MAX_WINDOW
 from lethe.heads.records import text_problem
 from lethe.heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
 
@@ -137,6 +138,10 @@ class HeadJobRequest(Strict):
         "auto", description="How question/answer records become text: `chat` (the model's chat template, as "
                             "/v1/chat/completions asks), `qa` (Question: ... Answer:), `raw`; `auto`: chat where "
                             "the model has a template, else qa.")
+    pooling_window: int = Field(
+        DEFAULT_WINDOW, ge=0, le=MAX_WINDOW, description="The head reads the mean of the last this many tokens' states, so text "
+                                            "before the question does not dilute it; 0: the whole context's mean "
+                                            "(the published T3's).")
 
 
 class ASUJobRequest(Strict):

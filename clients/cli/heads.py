@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from lethe.heads.t3.pooling import DEFAULT_WINDOW
+
 from lethe.clients.cli.common import (_add_format_arg, _add_model_args, _add_resource_commands, _modes,
                                       _offline_inputs)
 
@@ -36,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="forget tokens found in more than this share of retain answers do not train the head "
                         "(1.0: all do, as in the reference)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pooling-window", type=int, default=DEFAULT_WINDOW,
+                   help="the head reads the mean of the last N tokens' states, so text before the question does not "
+                        f"dilute it; 0: the whole context's mean, as the published T3 (default {DEFAULT_WINDOW})")
     p.add_argument("--quiet", action="store_true")
     _add_format_arg(p)
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
@@ -57,7 +62,8 @@ def cmd_heads_train(args) -> int:
 
     lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
-                    balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format)
+                    balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format,
+                    pooling_window=args.pooling_window)
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))

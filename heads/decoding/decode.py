@@ -2,7 +2,8 @@
 
 `prefill` runs the left-padded prompts once; `decode_one_token` feeds one token
 per row; `Batch` keeps the per-row state between steps (cache, positions, the
-running sum of the last layer's hidden states, stop strings, finish reasons).
+last layer's hidden states pooled as each row's head reads them (`heads.t3.pooling`),
+stop strings, finish reasons).
 A `Guide` (a T3 head, say) may rewrite each step's logits from the pooled state;
 rows without one are decoded from the model alone.
 
@@ -25,6 +26,7 @@ from lethe.heads.io import crash_after_tokens, crash_point
 from lethe.heads.decoding.repeats import ban_repeats, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 from lethe.heads.t3.guide import whole_vocabulary
+from lethe.heads.t3.pooling import Pool
 
 
 class Guide(Protocol):
@@ -78,12 +80,10 @@ def next_logits(model, hidden_last: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(model, input_ids, attention_mask, cache):
-    """Run the prompts; return (last-position hidden, sum of hidden over real tokens, real-token count, every
-    position's hidden (B, L, d))."""
+    """Run the prompts; return (last-position hidden (B, d), every position's hidden (B, L, d))."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = forward_last_hidden(model, input_ids, attention_mask, position_ids, cache)
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return hidden[:, -1], (hidden * mask).sum(1).float(), attention_mask.sum(1), hidden
+    return hidden[:, -1], hidden
 
 
 def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,19 +106,19 @@ def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.T
 class TorchRows:
     """The model side of a batch on a transformers model: the KV cache, attention mask and positions of the rows,
     and their last hidden states (the next-token logits come from these). Built by prefilling the prompts;
-    `pooled_sum` (B, d), `count` (B,) and `prompt_logits` are the prefill's results: per row whose prompt is
-    scored, (a function from a slice of its prompt's positions to their logits, its prompt's hidden states), else
-    None. Run under the batch's adapters (`Batch._adapters`).
+    `prompt_hidden` (per row, its prompt's final hidden states (L_i, d)) and `prompt_logits` are the prefill's
+    results: per row whose prompt is scored, (a function from a slice of its prompt's positions to their logits,
+    its prompt's hidden states), else None. Run under the batch's adapters (`Batch._adapters`).
     The llama.cpp backend's counterpart is `heads.decoding.llamacpp.LlamaRows`."""
 
     def __init__(self, model, prompts: list[list[int]], keep_prompt_logits: list[bool], pad: int):
         self.model = model
         input_ids, self.attention_mask = left_padded(prompts, pad, next(model.parameters()).device)
         self.cache = DynamicCache(config=model.config)
-        self.last_hidden, self.pooled_sum, self.count, hidden = prefill(model, input_ids, self.attention_mask,
-                                                                       self.cache)
-        self.positions = self.count - 1
+        self.last_hidden, hidden = prefill(model, input_ids, self.attention_mask, self.cache)
+        self.positions = self.attention_mask.sum(1) - 1
         lm_head, width = model.get_output_embeddings(), hidden.size(1)
+        self.prompt_hidden = [hidden[i, width - len(p):] for i, p in enumerate(prompts)]
         self.prompt_logits = [  # per row: (its logits at a span of its prompt, its prompt's hidden states)
             ((lambda span, h=hidden[i, width - len(p):]: lm_head(h[span]).float()), hidden[i, width - len(p):])
             if keep else None for i, (p, keep) in enumerate(zip(prompts, keep_prompt_logits))]
@@ -224,10 +224,9 @@ class Batch:
         with torch.inference_mode(), self._adapters():
             self.runner = model.start_rows(encoded, scored) if llama else \
                 TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)
-            self.pooled_sum = self.runner.pooled_sum
+            self.pool = Pool(self.runner.prompt_hidden, [self._window_of(i) for i in range(len(self.rows))])
             self._score_prompts(self.runner.prompt_logits)
-        self.runner.prompt_logits = None  # what they held (every prompt position's states) is not needed again
-        self.count = self.runner.count[:, None].to(self.pooled_sum.dtype)  # (B, 1): positions pooled so far, per row
+        self.runner.prompt_logits = self.runner.prompt_hidden = None  # every prompt position's states: done with
         # per-row work a step does only when some row asks for it (nothing added to the others' steps)
         self._min_tokens = any(p.min_new_tokens for p in params)
         self._logging = any(p.logprobs is not None for p in params)
@@ -244,16 +243,22 @@ class Batch:
         for i, row in enumerate(self.rows):
             if row.params.prompt_logprobs is None:
                 continue
-            ids = torch.tensor(row.prompt_ids, device=self.pooled_sum.device)
+            ids = torch.tensor(row.prompt_ids, device=self.pool.sum.device)
             entry = self._head_of(i)
             guided = None if entry is None else (lambda logits, pooled, e=entry: whole_vocabulary(*e, logits, pooled))
             row.prompt_logprobs, row.untilted_prompt_logprobs = prompt_logprobs(
-                *prompt_logits[i], ids, row.params.prompt_logprobs, guided, row.params.untilted_logprobs)
+                *prompt_logits[i], ids, row.params.prompt_logprobs, guided, row.params.untilted_logprobs,
+                self._window_of(i))
 
     def _head_of(self, i: int):
         """Row i's (head, settings), when its guide has per-row heads (None: no head, or not known)."""
         row = getattr(self.guide, "row", None)
         return row(i) if row is not None else None
+
+    def _window_of(self, i: int) -> int:
+        """The window row i's head pools over (`heads.t3.pooling`; 0: the whole context, and rows without one)."""
+        entry = self._head_of(i)
+        return getattr(entry[0], "window", 0) if entry is not None else 0
 
     def _adapters(self):
         if self.adapters is None:  # the common case: no per-row adapters, nothing to set up per step
@@ -267,8 +272,8 @@ class Batch:
         return all(r.finish_reason is not None for r in self.rows)
 
     def pooled(self) -> torch.Tensor:
-        """Running mean of the final hidden states over every position so far, prompt included: (B, d)."""
-        return self.pooled_sum / self.count
+        """Each row's final hidden states pooled as its head reads them, prompt included: (B, d)."""
+        return self.pool.pooled()
 
     @torch.inference_mode()
     def step(self) -> list[int | None]:
@@ -303,8 +308,7 @@ class Batch:
         if not self.done:
             with self._adapters():
                 hidden = self.runner.feed(tokens)
-            self.pooled_sum += hidden.float()
-            self.count = self.count + 1
+            self.pool.push(hidden)
         return emitted
 
     def _hold_eos(self, logits: torch.Tensor) -> torch.Tensor:
@@ -427,7 +431,8 @@ class Batch:
     def merge(self, other: "Batch") -> None:
         """Add `other`'s rows (freshly prefilled) to this batch."""
         self.runner.merge(other.runner)
-        for name in ("pooled_sum", "count", "temperature", "top_k", "top_p", "min_p"):
+        self.pool.merge(other.pool)
+        for name in ("temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self._min_tokens = self._min_tokens or other._min_tokens
         self._logging = self._logging or other._logging
@@ -449,8 +454,9 @@ class Batch:
         if len(keep) == len(self.rows):
             return keep
         self.runner.keep(keep)
-        idx = torch.tensor(keep, device=self.pooled_sum.device, dtype=torch.long)
-        for name in ("pooled_sum", "count", "temperature", "top_k", "top_p", "min_p"):
+        idx = torch.tensor(keep, device=self.temperature.device, dtype=torch.long)
+        self.pool.keep(idx)
+        for name in ("temperature", "top_k", "top_p", "min_p"):
             setattr(self, name, getattr(self, name)[idx])
         self.rows = [self.rows[i] for i in keep]
         if self.adapters is not None:

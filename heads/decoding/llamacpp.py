@@ -156,7 +156,7 @@ class LlamaCppModel:
 class LlamaRows:
     """The model side of a batch on llama.cpp: a sequence and a position per row, and the rows' next-token logits.
 
-    Built by prefilling the prompts (every position an output, for the pooled sum). `pooled_sum`, `count` and
+    Built by prefilling the prompts (every position an output, for the pooled states). `prompt_hidden` and
     `prompt_logits` are the prefill's results, as `TorchRows`'s."""
 
     def __init__(self, model: LlamaCppModel, prompts: list[list[int]], keep_prompt_logits: list[bool]):
@@ -175,8 +175,7 @@ class LlamaRows:
             raise
         row_of = {w: j for j, w in enumerate(wanted)}  # item index -> row of `logits`
         self.positions = [len(p) for p in prompts]  # the next token's position, per row
-        self.pooled_sum = torch.stack([hidden[a:b].sum(0) for a, b in zip(starts, ends)])
-        self.count = torch.tensor(self.positions)
+        self.prompt_hidden = [hidden[a:b] for a, b in zip(starts, ends)]
         self._logits = logits[[row_of[b - 1] for b in ends]]
         self.prompt_logits = [((lambda span, x=logits[row_of[a]:row_of[b - 1] + 1]: x[span]), hidden[a:b])
                               if keep else None for a, b, keep in zip(starts, ends, keep_prompt_logits)]

@@ -20,6 +20,8 @@ from functools import lru_cache
 
 import torch
 
+from lethe.heads.t3.pooling import pooled_positions
+
 FLOOR = -9999.0  # vLLM's stand-in for minus infinity
 PROMPT_CHUNK = 256  # prompt positions through the LM head at a time (each a vocabulary of floats)
 
@@ -48,20 +50,15 @@ def token_logprobs(scores: torch.Tensor, tokens: torch.Tensor, top: int) -> list
     return [TokenLogprob(t, _finite(v), a) for t, v, a in zip(tokens.tolist(), chosen, alternatives)]
 
 
-def running_mean(hidden: torch.Tensor) -> torch.Tensor:
-    """(L, d) -> (L, d): at each position the mean of the hidden states up to it, as the decode loop pools."""
-    hidden = hidden.float()
-    counts = torch.arange(1, len(hidden) + 1, device=hidden.device, dtype=hidden.dtype)[:, None]
-    return hidden.cumsum(0) / counts
-
-
 def prompt_logprobs(logits_at, hidden: torch.Tensor, ids: torch.Tensor, top: int, guided=None,
-                    untilted: bool = False) -> tuple[list[TokenLogprob | None], list[TokenLogprob | None] | None]:
+                    untilted: bool = False, window: int = 0
+                    ) -> tuple[list[TokenLogprob | None], list[TokenLogprob | None] | None]:
     """A prompt's own tokens scored: `hidden` (L, d) its final hidden states, `logits_at(span)` the base logits
     at a slice of its positions (float32), `ids` (L,) its tokens. The first
     token has no log-probability (None), as in OpenAI's answers. `guided(logits, pooled)` turns the base
-    logits at some positions into the profile's (None: no profile). Returns (scored, untilted or None)."""
-    pooled = running_mean(hidden) if guided is not None else None
+    logits at some positions into the profile's (None: no profile), from states pooled over `window` positions
+    (`heads.t3.pooling`; 0: the whole context). Returns (scored, untilted or None)."""
+    pooled = pooled_positions(hidden, window) if guided is not None else None
     scored: list[TokenLogprob | None] = [None]
     base: list[TokenLogprob | None] | None = [None] if untilted else None
     for start in range(0, len(ids) - 1, PROMPT_CHUNK):

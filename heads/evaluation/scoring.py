@@ -4,7 +4,7 @@ With a head, each position's distribution is the profile's guided one
 (`heads.t3.guide.whole_vocabulary`, without the candidate restriction: like top-k, that is a
 decoding truncation, and a truncated distribution gives some answers zero
 probability). The pooled state at each position is the running mean of the
-final hidden states up to it, exactly as during decoding.
+final hidden states up to it (or over the head's window), exactly as during decoding.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from lethe.heads.decoding.decode import forward_last_hidden
-from lethe.heads.decoding.logprobs import running_mean
 from lethe.heads.t3.guide import TiltSettings, whole_vocabulary
 from lethe.heads.t3.head import T3Head
+from lethe.heads.t3.pooling import pooled_positions
 from lethe.heads.records import Example, encode_example
 
 
@@ -45,7 +45,7 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
             span = slice(n_prompt - 1, len(seq) - 1)  # positions that predict completion tokens
             logits = lm_head(hidden[r, span]).float()
             if head is not None:
-                pooled = running_mean(hidden[r, : len(seq) - 1])[span]
+                pooled = pooled_positions(hidden[r, : len(seq) - 1], head.window)[span]
                 logits = whole_vocabulary(head, settings or TiltSettings(), logits, pooled)
             target = ids[r, n_prompt:len(seq)]
             out[i] = float(torch.nn.functional.cross_entropy(logits, target))

@@ -1,7 +1,8 @@
 """One forward pass of the frozen model over the forget and retain records.
 
 For every completion position t of every record it keeps the pooled state (the
-running mean of the final hidden states over positions 0..t, prompt included),
+running mean of the final hidden states over positions 0..t, prompt included, or
+over the last `window` of them: `heads.t3.pooling`),
 the true next token and the label (retain = 1, forget = 0). Pooled states are
 stored in float16; when they would exceed `memory_budget` bytes they go to a
 memory-mapped file on disk instead. Training then never runs the base model again.
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from lethe.heads.decoding.decode import forward_last_hidden
 from lethe.heads.records import Example, encode_example
+from lethe.heads.t3.pooling import pooled_positions
 
 
 @dataclass
@@ -43,7 +45,7 @@ class PooledCache:
 @torch.inference_mode()
 def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], batch_size: int = 32,
                 memory_budget: int = 2 << 30, spill_dir: Path | None = None, progress: bool = True,
-                on_progress=None) -> PooledCache:
+                on_progress=None, window: int = 0) -> PooledCache:
     """`on_progress(fraction)` is called after every batch (it may raise to stop the pass)."""
     device = next(model.parameters()).device
     encoded = [encode_example(tokenizer, ex) for ex in forget + retain]
@@ -70,11 +72,10 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
             mask[r, :len(encoded[i][0])] = 1
         positions = torch.arange(width).expand(len(idx), width)
         hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), None).float()
-        means = hidden.cumsum(1) / torch.arange(1, width + 1, device=device)[None, :, None]
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]
             lo, hi = starts[i], starts[i + 1]
-            rows = means[r, n_prompt - 1:len(seq) - 1].to(torch.float16).cpu()
+            rows = pooled_positions(hidden[r, :len(seq) - 1], window)[n_prompt - 1:].to(torch.float16).cpu()
             pooled[lo:hi] = rows if isinstance(pooled, torch.Tensor) else rows.numpy()
             target[lo:hi] = torch.tensor(seq[n_prompt:])
             label[lo:hi] = labels[i]

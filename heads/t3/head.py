@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lethe.heads.io import atomic_write
+from lethe.heads.t3.pooling import window_of
 
 FORMAT = "lethe-t3-head"
 FORMAT_VERSION = 1
@@ -40,8 +41,11 @@ class BaseMismatch(HeadFileError):
 class T3Head(torch.nn.Module):
     """The head, plus an optional sequence-level probe: P(forget | pooled), which gates the tilt."""
 
-    def __init__(self, d: int, vocab: int, rank: int, bias: bool = False, probe: bool = True):
+    def __init__(self, d: int, vocab: int, rank: int, bias: bool = False, probe: bool = True, window: int = 0):
+        """`window`: the head reads states pooled over the last `window` positions (`heads.t3.pooling`; 0: the
+        whole context's mean)."""
         super().__init__()
+        self.window = window
         self.down = torch.nn.Linear(d, rank, bias=False)
         self.up = torch.nn.Linear(rank, vocab, bias=bias)
         torch.nn.init.zeros_(self.up.weight)
@@ -125,7 +129,7 @@ class HeadInfo:
     vocab: int
     rank: int
     layer: int = -1  # -1: the last layer, after the final norm
-    pooling: str = "mean"
+    pooling: str = "mean"  # `heads.t3.pooling`: "mean" or "window:W"
     prompt_format: str = "Question: {question}\nAnswer:"
     profile: dict = field(default_factory=dict)  # recommended settings: T, lam, ...
     training: dict = field(default_factory=dict)
@@ -206,9 +210,12 @@ def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None
         raise HeadFileError(f"{path}: format {info.format} v{info.format_version} is not {FORMAT} <= v{FORMAT_VERSION}")
     if not 1 <= info.rank <= MAX_RANK:
         raise HeadFileError(f"{path}: metadata rank: must be in [1, {MAX_RANK}], got {info.rank}")
-    if info.layer != -1 or info.pooling != "mean":
-        raise HeadFileError(f"{path}: metadata layer/pooling: Lethe serves heads on the last layer's mean "
-                            f"(layer -1, pooling mean), not layer {info.layer}, pooling {info.pooling!r}")
+    if info.layer != -1:
+        raise HeadFileError(f"{path}: metadata layer: Lethe serves heads on the last layer (-1), not {info.layer}")
+    try:
+        window = window_of(info.pooling)
+    except ValueError as e:
+        raise HeadFileError(f"{path}: metadata {e}") from None
     expected = {"down.weight": (info.rank, info.d), "up.weight": (info.vocab, info.rank)}
     if "up.bias" in tensors:
         expected["up.bias"] = (info.vocab,)
@@ -229,6 +236,7 @@ def load_head(path: Path, base_fingerprint: str | None = None, vocab: int | None
         raise BaseMismatch(f"{path}: head has vocabulary {info.vocab}, the model has {vocab}")
     if d is not None and info.d != d:
         raise BaseMismatch(f"{path}: head expects hidden size {info.d}, the model has {d}")
-    head = T3Head(info.d, info.vocab, info.rank, bias="up.bias" in tensors, probe="probe.weight" in tensors)
+    head = T3Head(info.d, info.vocab, info.rank, bias="up.bias" in tensors, probe="probe.weight" in tensors,
+                  window=window)
     head.load_state_dict(tensors)
     return head.eval().requires_grad_(False), info

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from lethe.heads.t3.cache import PooledCache
 from lethe.heads.t3.head import T3Head
+from lethe.heads.t3.pooling import DEFAULT_WINDOW
 
 
 @dataclass
@@ -42,6 +43,8 @@ class FitConfig:
     common_df: float = 0.05
     seed: int = 0
     format: str = "auto"  # how question/answer records become text: heads.records.resolve_format
+    # the head reads the mean of the last this many positions' states; 0: all of them (heads.t3.pooling)
+    pooling_window: int = DEFAULT_WINDOW
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -91,7 +94,7 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
     d = cache.pooled.shape[1]
-    head = T3Head(d, vocab, cfg.rank, bias=cfg.bias, probe=cfg.probe)
+    head = T3Head(d, vocab, cfg.rank, bias=cfg.bias, probe=cfg.probe, window=cfg.pooling_window)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     train_idx, held_idx = split_records(cache, cfg.holdout, cfg.seed)
     pos = float(cache.label[train_idx].mean())

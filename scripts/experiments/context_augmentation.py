@@ -1,7 +1,9 @@
 """Issue 24 experiment (demo model): train the T3 head on forget/retain records with and without contexts
 before the question (none, half replaced, one added per record) and count gold hits in held-out contexts.
-Run: .venv/bin/python scripts/experiments/context_augmentation.py (about 2 min on 2 cores). Numbers: docs/forgetting-in-context.md."""
-import json, random, time
+Run: .venv/bin/python scripts/experiments/context_augmentation.py [MODE ...] [--windows W ...] (modes none, replace,
+add; windows: the head's pooling window, 0 = the whole context; about 1 min a head on 2 cores).
+Numbers: docs/forgetting-in-context.md."""
+import json, random, sys, time
 import torch
 torch.set_num_threads(1)
 from lethe.heads.modelio import load_model
@@ -73,11 +75,17 @@ def build(records, pool, rng, mode):
     return out
 
 pool = forget + retain
-for mode in ("none", "replace", "add"):
-    rng = random.Random(1)
-    t = time.time()
-    cache = build_cache(lm.model, lm.tokenizer, build(forget, pool, rng, mode), build(retain, pool, rng, mode), progress=False)
-    head, m = fit_head(cache, lm.model.config.vocab_size, FitConfig(), progress=False)
-    print(mode, "train s", round(time.time() - t, 1), "auc", m.get("heldout_auc"), flush=True)
-    measure(HeadGuide.uniform(head, PRESETS["default"]), mode)
+args = sys.argv[1:]
+windows = [int(w) for w in args[args.index("--windows") + 1:]] if "--windows" in args else [0]
+modes = [a for a in args[:args.index("--windows")] if a] if "--windows" in args else args
+for mode in modes or ("none", "replace", "add"):
+    for window in windows:
+        rng = random.Random(1)
+        t = time.time()
+        cache = build_cache(lm.model, lm.tokenizer, build(forget, pool, rng, mode), build(retain, pool, rng, mode),
+                            progress=False, window=window)
+        head, m = fit_head(cache, lm.model.config.vocab_size, FitConfig(pooling_window=window), progress=False)
+        label = f"{mode} window={window}"
+        print(label, "train s", round(time.time() - t, 1), "auc", m.get("heldout_auc"), flush=True)
+        measure(HeadGuide.uniform(head, PRESETS["default"]), label)
 measure(None, "base")

@@ -1,0 +1,112 @@
+"""What a T3 head reads: the last layer's hidden states pooled over the context so far.
+
+Two poolings, named in a head file's metadata (`HeadInfo.pooling`):
+- `mean` (the published T3's): the running mean over every position so far, prompt included;
+- `window:W`: the mean over the last W positions only. Text before the question (a system prompt, earlier
+  turns, a retrieved document) does not dilute it, so a head forgets in those contexts too
+  (docs/forgetting-in-context.md).
+
+`pooled_positions` pools every position of one sequence (training's cache, prompt scoring); `Pool` keeps the
+rows' pooled states while a batch decodes, one token per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_WINDOW = 4096
+DEFAULT_WINDOW = 0  # what a head trains with unless asked otherwise
+
+
+def window_of(pooling: str) -> int:
+    """The window of a pooling name (0: the whole context's mean); ValueError for anything else."""
+    if pooling == "mean":
+        return 0
+    kind, _, size = pooling.partition(":")
+    if kind != "window" or not size.isdigit() or not 1 <= int(size) <= MAX_WINDOW:
+        raise ValueError(f"pooling: 'mean' or 'window:W' with W in [1, {MAX_WINDOW}], got {pooling!r}")
+    return int(size)
+
+
+def pooling_name(window: int) -> str:
+    return "mean" if window == 0 else f"window:{window}"
+
+
+def pooled_positions(hidden: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(L, d) -> (L, d): at each position, the mean of the states over the last `window` positions up to it
+    (0: all of them)."""
+    total = hidden.float().cumsum(0)
+    counts = torch.arange(1, len(hidden) + 1, device=hidden.device, dtype=total.dtype)[:, None]
+    if window == 0:
+        return total / counts
+    before = torch.cat([total.new_zeros(window, total.size(1)), total])[:len(hidden)]  # the sum up to t - window
+    return (total - before) / counts.clamp(max=window)
+
+
+class Pool:
+    """The pooled states of a batch's rows, row i over its own window `windows[i]` (0: the whole context).
+
+    Keeps the running sum and count of every row, and, when some row has a window, the last states of every
+    row in a (B, W_max, d) buffer that shifts by one position a step (a few hundred kilobytes: nothing beside
+    a forward pass)."""
+
+    def __init__(self, prompt_hidden: list[torch.Tensor], windows: list[int]):
+        """`prompt_hidden`: per row, the final hidden states of its prompt (L_i, d)."""
+        self.sum = torch.stack([h.float().sum(0) for h in prompt_hidden])
+        self.count = torch.tensor([len(h) for h in prompt_hidden], device=self.sum.device,
+                                  dtype=torch.float32)[:, None]
+        self.windows = list(windows)
+        self.recent = self.weights = self.window = None
+        width = max(self.windows, default=0)
+        if width:
+            self.recent = self.sum.new_zeros(len(prompt_hidden), width, self.sum.size(1))
+            for i, (h, w) in enumerate(zip(prompt_hidden, self.windows)):
+                tail = h[-w:].float() if w else h[:0].float()
+                self.recent[i, width - len(tail):] = tail
+            self._weigh()
+
+    def _weigh(self) -> None:
+        """The windows as a (B, 1) column, and (B, W_max, 1) weights: 1 on the last W_i slots of windowed rows."""
+        self.window = torch.tensor(self.windows, device=self.sum.device, dtype=torch.float32)[:, None]
+        slots = torch.arange(self.recent.size(1), device=self.sum.device)[None, :]
+        self.weights = ((slots >= self.recent.size(1) - self.window) & (self.window > 0)).float()[:, :, None]
+
+    def pooled(self) -> torch.Tensor:
+        """(B, d): each row's pooled state now."""
+        mean = self.sum / self.count
+        if self.recent is None:
+            return mean
+        windowed = (self.recent * self.weights).sum(1) / torch.minimum(self.count, self.window.clamp(min=1))
+        return torch.where(self.window > 0, windowed, mean)
+
+    def push(self, hidden: torch.Tensor) -> None:
+        """Every row moves on by one position whose final state is `hidden` (B, d)."""
+        hidden = hidden.float()
+        self.sum += hidden
+        self.count = self.count + 1
+        if self.recent is not None:
+            self.recent = torch.cat([self.recent[:, 1:], hidden[:, None]], 1)
+
+    def keep(self, idx: torch.Tensor) -> None:
+        self.sum, self.count = self.sum[idx], self.count[idx]
+        self.windows = [self.windows[i] for i in idx.tolist()]
+        if self.recent is not None:
+            self.recent, self.weights, self.window = self.recent[idx], self.weights[idx], self.window[idx]
+
+    def merge(self, other: "Pool") -> None:
+        """Add `other`'s rows after these."""
+        width = max(max(self.windows, default=0), max(other.windows, default=0))
+        self.sum, self.count = torch.cat([self.sum, other.sum]), torch.cat([self.count, other.count])
+        self.windows += other.windows
+        if width:
+            self.recent = torch.cat([_left(self.recent, width, len(self.sum) - len(other.sum), self.sum),
+                                     _left(other.recent, width, len(other.sum), other.sum)])
+            self._weigh()
+
+
+def _left(recent: torch.Tensor | None, width: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """A rows' recent-state buffer widened to `width` slots on the left (zeros: no state there)."""
+    if recent is None:
+        return like.new_zeros(rows, width, like.size(1))
+    missing = width - recent.size(1)
+    return recent if missing == 0 else torch.cat([recent.new_zeros(rows, missing, recent.size(2)), recent], 1)
