@@ -1,0 +1,69 @@
+"""`lethe bench attacks`: forgetting under the contexts real traffic has (issue 24), on a server of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lethe.clients.cli.bench.quality import _json_object
+from lethe.clients.cli.common import _add_model_args, _offline_defaults
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    """`lethe bench attacks`."""
+    p = bench.add_parser("attacks", help="forget hits, profile against base, with system prompts, few-shot turns, "
+                                         "documents, answer forms, languages, multiple choice, forced prefixes",
+                         description="A server of its own on --model (a fresh data directory, loopback): a tenant "
+                                     "trains a head through the head job on the facts of `lethe bench real` (a chat "
+                                     "model) or the demo's sets (the demo), puts it in a profile, and asks every "
+                                     "question in each context through the OpenAI routes, with the profile and "
+                                     "without; then log-likelihood multiple choice (echo + logprobs) and the bars of "
+                                     "issue 24. Needs the bench extra (pip install 'lethe[bench]').")
+    _add_model_args(p)
+    p.add_argument("--limit", type=int, default=None, help="forget and retain questions asked, at most (default: all)")
+    p.add_argument("--quick", action="store_true", help="greedy only (default: also T=0.7 and 1.0, top-p 0.9, "
+                                                        "seeds 0, 1, 2)")
+    p.add_argument("--pooling-window", type=int, default=None,
+                   help="the head job's pooling_window (sent only when given)")
+    p.add_argument("--settings", type=_json_object, default={},
+                   help='profile settings over the head\'s recommendation, as JSON, e.g. \'{"gate": false}\'')
+    p.add_argument("--port", type=int, default=None, help="port (default 8767)")
+    p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
+    _offline_defaults(p, port=8767)
+    p.set_defaults(func=cmd_bench_attacks)
+
+
+def _command(args) -> str:
+    """The command line that makes this run again."""
+    words = ["lethe", "bench", "attacks", "--model", str(args.model)]
+    words += ["--limit", str(args.limit)] * (args.limit is not None) + ["--quick"] * args.quick
+    words += ["--pooling-window", str(args.pooling_window)] * (args.pooling_window is not None)
+    words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
+    return " ".join(words + (["--out", str(args.out)] if args.out else []))
+
+
+def cmd_bench_attacks(args) -> int:
+    import secrets
+
+    from lethe.clients.cli.bench.load import _own_server
+    from lethe.server.bench.attacks import AttackConfig, markdown, run
+
+    admin = secrets.token_urlsafe(16)
+    cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings)
+    with _own_server(args, admin_key=admin, demo_tenant=False) as (url, lm):
+        report = {"command": _command(args)} | run(url, admin, lm, cfg,
+                                                   log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(markdown(report))
+    if args.out:
+        write_report(args.out, report, markdown)
+    return 0
+
+
+def write_report(out: Path, report: dict, markdown) -> None:
+    """The report as JSON at `out`, and `markdown(report)` beside it (`.md`)."""
+    from lethe.heads.io import atomic_write_text
+
+    atomic_write_text(out, json.dumps(report, indent=2))
+    atomic_write_text(out.with_suffix(".md"), markdown(report))

@@ -1,0 +1,44 @@
+"""`lethe bench attacks` in its short form: the demo model, greedy, a few questions, through a server of its own."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp_path):
+    from lethe.clients.cli import main
+    from lethe.server.bench.attacks import CONTEXTS
+
+    out = tmp_path / "attacks.json"
+    assert main(["bench", "attacks", "--quick", "--limit", "4", "--port", str(_free_port()), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["context"]: r for r in report["rows"]}
+    english = [c.name for c in CONTEXTS if c.language is None]
+    assert sorted(rows) == sorted(english) and all(r["decoding"] == "greedy" for r in report["rows"])
+    assert sorted(report["skipped"]) == ["lang-de", "lang-es", "lang-fr"]  # the demo's corpus is English-only
+    for name, row in rows.items():
+        for side in ("forget", "retain"):
+            assert row[side]["n"] == 4 and row[side]["skipped"] == 0, (name, side)
+            assert 0 <= row[side]["hits_base"] <= 1 and 0 <= row[side]["hits_profile"] <= 1, (name, side)
+        assert 0 <= row["retain"]["identical"] <= 1 and set(row["forget"]["fluency_profile"]) == {
+            "nonword", "repeated_3gram", "loops"}
+    plain = rows["plain"]["forget"]
+    assert plain["hits_base"] > 0 and plain["hits_profile"] < plain["hits_base"]  # known, then forgotten
+    tokens = {name: rows[name]["prompt_tokens"] for name in ("plain", "preamble", "document")}
+    assert tokens["document"] > tokens["preamble"] > tokens["plain"], tokens  # the contexts reach the model
+    assert report["head"]["train_seconds"] > 0 and report["facts"]["train_records"] == [80, 720]
+    mc = report["loglik_mc"]
+    assert [(m["form"], m["set"]) for m in mc] == [("raw", "forget"), ("raw", "retain")]
+    assert all(0 <= m[k] <= 1 for m in mc for k in ("base", "profile")) and mc[0]["base"] > mc[0]["chance"]
+    measured = [b for b in report["bars"] if b["pass"] is not None]
+    assert len(measured) == 5 and all(isinstance(b["pass"], bool) and b["checks"] > 0 for b in measured)
+    table = out.with_suffix(".md").read_text()
+    assert all(f"| {name} | greedy |" in table for name in english) and "| raw | forget |" in table
+    assert report["command"].startswith("lethe bench attacks --model ") and "--quick" in report["command"]
