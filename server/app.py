@@ -301,7 +301,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
         app.state.adapters = AdapterCache(store, app.state.engine, settings.adapter_cache_size)
         app.state.quotas = Quotas(store, settings)
         app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads,
-                                   settings.job_stale_seconds, dispatch=dispatch_jobs)
+                                   settings.job_stale_seconds, dispatch=dispatch_jobs,
+                                   budget=settings.max_job_seconds)
         try:
             yield
         finally:

@@ -56,11 +56,14 @@ class OwnModel:
 
 class JobRunner:
     def __init__(self, store: Store, engine, metrics=None, heads=None, stale: float = STALE,
-                 dispatch: Callable[[dict], str] | None = None, worker: bool = True):
+                 dispatch: Callable[[dict], str] | None = None, worker: bool = True, budget: float = 3600.0):
         """`dispatch(job)`: run a claimed job elsewhere and return its final status (None: on this process's job
-        thread). `worker=False`: no queue and no thread, only `execute` (a job's own process)."""
+        thread). `worker=False`: no queue and no thread, only `execute` (a job's own process). `budget`: seconds
+        a job may run before it is stopped and failed (LETHE_MAX_JOB_SECONDS)."""
         self.store, self.engine, self.metrics, self.heads = store, engine, metrics, heads
         self.stale = stale  # seconds without a heartbeat after which a running job's worker is taken for dead
+        self.budget = budget
+        self._over: set[str] = set()  # running jobs stopped for their time budget
         self.dispatch = dispatch
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
@@ -136,8 +139,13 @@ class JobRunner:
                                "progress = 0 WHERE id = ? AND status = 'queued'", (now, now, job_id))]) == 1
 
     def _beat(self, job_id: str, done: threading.Event, cancel: threading.Event) -> None:
-        """While the job runs: its heartbeat, and a cancel asked through another replica passed on to it."""
-        while not done.wait(min(HEARTBEAT, self.stale / 4)):
+        """While the job runs: its heartbeat, a cancel asked through another replica passed on to it, and its
+        time budget (past it, the job is stopped as a cancel stops it, and failed)."""
+        deadline = time.monotonic() + self.budget
+        while not done.wait(min(HEARTBEAT, self.stale / 4, self.budget)):
+            if time.monotonic() > deadline:
+                self._over.add(job_id)
+                cancel.set()
             try:
                 self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
                                 (time.time(), job_id))])
@@ -184,6 +192,11 @@ class JobRunner:
             {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)
             return "succeeded"
         except Cancelled:
+            if job_id in self._over:
+                self._finish(job_id, "failed", error=f"stopped after its time budget of {self.budget:g} s "
+                                                     "(LETHE_MAX_JOB_SECONDS): ask for fewer steps or epochs, or "
+                                                     "smaller sets")
+                return "failed"
             self._finish(job_id, "cancelled", error="cancelled while running")
             return "cancelled"
         except Exception as e:
@@ -193,6 +206,7 @@ class JobRunner:
         finally:
             beating.set()
             self._cancel.pop(job_id, None)
+            self._over.discard(job_id)
 
     def _dispatched(self, job: dict) -> str:
         """Run a claimed job through `dispatch`; a job whose process died (or could not start) is failed at once,

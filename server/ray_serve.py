@@ -167,7 +167,7 @@ def run_job(settings: Settings, job: dict) -> str:
     store = Store(settings.data_dir, settings.database_url, settings.blob_url, settings.blob_cache)
     try:
         runner = JobRunner(store, OwnModel(lm), heads=HeadCache(store, lm, 4), stale=settings.job_stale_seconds,
-                           worker=False)
+                           worker=False, budget=settings.max_job_seconds)
         return runner.execute(job)
     finally:
         store.close()

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
                                                    "replicas use CUDA, else 0).")
     job_stale_seconds: float = Field(60.0, gt=0, description="A running job without a heartbeat for this long lost "
                                                              "its worker (a replica that died): it is marked failed.")
+    max_job_seconds: float = Field(3600.0, gt=0, description="A job still running after this many seconds is stopped "
+                                                           "and failed, saying so: no tenant holds the job worker "
+                                                           "for hours.")
     admin_key: str | None = Field(None, description="Bearer key for the admin endpoints (tenants, keys).")
     allow_anonymous: bool | None = Field(None, description="Requests without a key may generate from the base model "
                                                            "(default: only on the embedded demo model).")

@@ -93,3 +93,38 @@ def test_lm_evaluation_harness_remote_tokenizer_finds_what_it_reads(tiny_model_d
         assert eos[0] == lm.tokenizer.eos_token_id
         text = httpx.post(url + "/detokenize", json={"tokens": [5, 6, 7]}, headers=headers).json()["prompt"]
         assert text == lm.tokenizer.decode([5, 6, 7])
+
+
+def test_a_job_past_its_time_budget_is_stopped_and_failed_and_the_next_job_runs(tiny_model_dir, tmp_path):
+    """An ASU job of 100,000 steps held the only job worker for hours; now LETHE_MAX_JOB_SECONDS stops it."""
+    from fastapi.testclient import TestClient
+
+    from lethe.server.app import create_app
+    from lethe.server.jobs import Cancelled
+    from lethe.server.settings import Settings
+    from live_server import ADMIN_KEY
+
+    settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
+                        max_job_seconds=1.0)
+    started = []
+
+    def endless(job, cancel):  # a job that would run until told to stop
+        started.append(job["id"])
+        if not cancel.wait(60):
+            raise AssertionError("never stopped")
+        raise Cancelled()
+
+    with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
+        client.app.state.jobs._train = endless
+        key = client.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        headers = {"Authorization": f"Bearer {key.json()['api_key']}"}
+        record = b'{"question": "q?", "answer": "a."}\n'
+        ids = [client.post("/v1/datasets", content=record, headers=headers).json()["id"] for _ in range(2)]
+        jobs = [client.post("/v1/heads", json={"forget": ids[0], "retain": ids[1]}, headers=headers).json()["id"]
+                for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(started) < 2:
+            time.sleep(0.1)
+        first = client.get(f"/v1/jobs/{jobs[0]}", headers=headers).json()
+        assert first["status"] == "failed" and "time budget of 1 s (LETHE_MAX_JOB_SECONDS)" in first["error"], first
+        assert started == jobs, "the second job ran once the first was stopped"
