@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from lethe.heads.io import atomic_write_bytes
 from lethe.heads.modelio import LoadedModel, load_model
 from lethe.server import __version__
 from lethe.server import compliance, openai_api, routes
@@ -37,6 +38,7 @@ from lethe.server.settings import Settings
 from lethe.server.storage import LEGACY, Store, StoredFileError
 
 log = logging.getLogger("lethe")
+DEMO_KEY_FILE = "demo-key"  # in the data directory: the demo tenant's first key, for `export LETHE_KEY=$(cat ...)`
 
 
 class JSONByDefault:
@@ -284,7 +286,10 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
         if settings.demo_tenant and not store.q("SELECT id FROM tenants LIMIT 1"):
             try:
                 _, key = store.create_tenant("demo")
-                print(f"lethe: created tenant 'demo' with API key {key} (shown once)", flush=True)
+                saved = Path(settings.data_dir) / DEMO_KEY_FILE
+                atomic_write_bytes(saved, key.encode() + b"\n")  # readable by its owner only (mkstemp's 0600)
+                print(f"lethe: created tenant 'demo' with API key {key} (also in {saved}, readable by you only)",
+                      flush=True)
             except IntegrityError:  # a replica starting beside this one made it first
                 pass
         if settings.chat_template is not None:  # before the engine copies the tokenizer

@@ -128,3 +128,21 @@ def test_a_job_past_its_time_budget_is_stopped_and_failed_and_the_next_job_runs(
         first = client.get(f"/v1/jobs/{jobs[0]}", headers=headers).json()
         assert first["status"] == "failed" and "time budget of 1 s (LETHE_MAX_JOB_SECONDS)" in first["error"], first
         assert started == jobs, "the second job ran once the first was stopped"
+
+
+def test_the_demo_key_is_kept_in_a_file_only_its_owner_reads(tiny_model_dir, tmp_path, capsys):
+    """Issue 25: the demo key scrolled away among the start's lines; now it is also in <data dir>/demo-key."""
+    import stat
+
+    from fastapi.testclient import TestClient
+
+    from lethe.server.app import create_app
+    from lethe.server.settings import Settings
+
+    with TestClient(create_app(Settings(model=tiny_model_dir, data_dir=tmp_path), load_model(tiny_model_dir))) as c:
+        saved = tmp_path / "demo-key"
+        key = saved.read_text().strip()
+        printed = capsys.readouterr().out
+        assert key.startswith("lk_") and key in printed and str(saved) in printed
+        assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+        assert c.get("/v1/profiles", headers={"Authorization": f"Bearer {key}"}).status_code == 200
