@@ -10,7 +10,21 @@
     soak.py             `lethe bench soak`: a fixed-duration load run against a server
     heads.py            `lethe bench heads`: one client alone against N clients on N heads at once
     scale.py            `lethe bench scale`: 2 Ray Serve replicas against 1, and Ray's routing overhead
+    attacks.py          `lethe bench attacks`: forgetting in contexts (system prompts, earlier turns, documents,
+                        other languages, multiple choice) and under log-likelihood scoring, through the routes
 
 Above `heads/` and `server/`: a bench may import both. The evaluation math they use (`evaluate`, `metrics`,
 `scoring`, `facts`) stays in `lethe.heads.evaluation`. Heavy imports stay inside the functions that need them.
 """
+
+from pathlib import Path
+
+
+def shown_path(path) -> str:
+    """A path as a report shows it: relative to the working directory when under it (reports are committed to
+    docs/, and hold no machine's absolute paths), else its last two parts."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(Path(*path.parts[-2:]))

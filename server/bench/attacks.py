@@ -38,6 +38,7 @@ import httpx
 
 from lethe.heads.evaluation.facts import KINDS, hit, records
 from lethe.heads.evaluation.metrics import EnglishWords
+from lethe.server.bench import shown_path
 from lethe.server.bench.real import fluency
 
 DEMO_SETS = Path(__file__).resolve().parent.parent.parent / "heads" / "demo" / "assets"
@@ -432,7 +433,7 @@ class AttackBench:
         vocab = EnglishWords()
         rows = [self.row(ctx, label, runs, vocab) for label, runs in self.decodings() for ctx in contexts]
         report = {
-            "model": str(self.lm.path), "fingerprint": self.lm.fingerprint,
+            "model": shown_path(self.lm.path), "fingerprint": self.lm.fingerprint,
             "format": "chat" if self.chat else "qa",
             "route": "/v1/chat/completions" if self.chat else "/v1/completions",
             "config": asdict(self.cfg), "max_tokens": self.max_tokens, "context_length": self.context_length,

@@ -30,6 +30,7 @@ from lethe.heads.decoding.decode import eos_ids, generate, generate_chunked
 from lethe.heads.decoding.sampling import SamplingParams
 from lethe.heads.t3.guide import HeadGuide, TiltSettings
 from lethe.heads.t3.head import T3Head
+from lethe.server.bench import shown_path
 from lethe.server.bench.t3 import _paired_ratio, _timed_runs, hf_generate
 
 LLAMA_MODES = ("default", "token", "plain")
@@ -66,7 +67,7 @@ def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     guide = HeadGuide.uniform(head, settings or TiltSettings())
     threads = torch.get_num_threads()
-    result: dict = {"model": str(lm.path), "new_tokens": new_tokens, "torch_threads": threads,
+    result: dict = {"model": shown_path(lm.path), "new_tokens": new_tokens, "torch_threads": threads,
                     "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "lethe": {}}
     for batch in (1, 8):
         chosen = (prompts * batch)[:batch]

@@ -29,6 +29,7 @@ from lethe.heads.records import ask, resolve_format
 from lethe.heads.t3.guide import HeadGuide, TiltSettings
 from lethe.heads.t3.pipeline import train_head
 from lethe.heads.t3.train import FitConfig
+from lethe.server.bench import shown_path
 
 
 @dataclass
@@ -150,7 +151,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             asu.unload()  # the base model as it was
     if len(variants) == 1:
         examples = examples["head"]
-    return {"model": str(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
+    return {"model": shown_path(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),
             "engine": "torch" if decoder is None else f"llamacpp ({decoder.path})",
             "known": {k: len(v) for k, v in known.items()}, "train_records": [len(forget_train), len(retain_train)],
             "train_seconds": round(train_seconds, 2), "head_metrics": info.metrics, "settings": settings.as_dict(),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from lethe.server.bench import shown_path
 from lethe.server.bench.heads import _key, _tenant_with_head, load
 
 
@@ -154,7 +155,7 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
 
     admin = secrets.token_urlsafe(16)
     cfg = lm.model.config
-    result: dict = {"model": str(model), "tenants": tenants, "clients": clients, "duration_s": duration,
+    result: dict = {"model": shown_path(model), "tenants": tenants, "clients": clients, "duration_s": duration,
                     "max_tokens": max_tokens}
     with _database(database_url) as database, tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
