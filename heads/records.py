@@ -1,4 +1,4 @@
-"""Records: JSON Lines in TOFU (`question`/`answer`), `prompt`/`completion` or `text` form.
+"""Records: JSON Lines in TOFU (`question`/`answer`, optionally `fact`), `prompt`/`completion` or `text` form.
 
 Every record becomes an `Example(prompt, completion)`; the model is trained and
 queried on `PROMPT_FORMAT`, so a TOFU record's prompt is
@@ -122,6 +122,8 @@ def to_example(record: object, line: int = 1, fmt: str = "qa", tokenizer=None) -
     if not isinstance(record, dict):
         raise RecordError(line, "record", "must be a JSON object")
     if "question" in record or "answer" in record:
+        if "fact" in record:
+            _text(record, "fact", line)
         return qa_example(_text(record, "question", line), _text(record, "answer", line), fmt, tokenizer)
     if "prompt" in record or "completion" in record:
         return Example(_text(record, "prompt", line), _text(record, "completion", line))
@@ -170,6 +172,20 @@ def read_jsonl(path: Path, prompts_only: bool = False) -> list[dict]:
         return parse_jsonl(text, _prompt_only if prompts_only else to_example)
     except RecordError as e:
         raise RecordError(e.line, e.field, f"{e.message} (in {path})") from None
+
+
+def answer_forms(records: list[dict]) -> list[dict]:
+    """For question/answer records that name their fact (`fact`: the span of the answer that is the knowledge,
+    "Paris" in "The capital of France is Paris."), one more record per distinct fact: its first question answered
+    with the fact alone. That is the form a multiple-choice scorer reads right after the question (the option
+    after the assistant tag), which a head trained on whole sentences alone barely moves."""
+    seen, out = set(), []
+    for r in records:
+        fact = r.get("fact") if "question" in r else None
+        if isinstance(fact, str) and fact.strip() and fact not in seen:
+            seen.add(fact)
+            out.append({"question": r["question"], "answer": fact})
+    return out
 
 
 def examples(records: list[dict], fmt: str = "qa", tokenizer=None) -> list[Example]:

@@ -306,7 +306,8 @@ class JobRunner:
         progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.85),
                                                     "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
-                                                   "common_df", "seed", "format", "pooling_window") if k in params})
+                                                   "common_df", "seed", "format", "pooling_window", "answer_forms")
+                           if k in params})
         lm = self._private()
         head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
         progress("evaluating", 0.0)

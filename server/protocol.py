@@ -142,6 +142,9 @@ class HeadJobRequest(Strict):
         DEFAULT_WINDOW, ge=0, le=MAX_WINDOW, description="The head reads the mean of the last this many tokens' states, so text "
                                             "before the question does not dilute it; 0: the whole context's mean "
                                             "(the published T3's).")
+    answer_forms: bool = Field(True, description="Records with a `fact` field (the answer's span that is the "
+                                                 "knowledge) also train with the fact alone as the answer, the form "
+                                                 "multiple-choice scoring reads.")
 
 
 class ASUJobRequest(Strict):

@@ -61,7 +61,7 @@ def test_a_batch_pools_each_row_as_a_full_pass_over_its_text_would(tiny_lm, tiny
     joining later: after each step, each row's pooled state is what its head would read from a full pass."""
     head, info = window_head
     assert head.window == 4 and info.pooling == "window:4"
-    mean_head, _ = train_head(tiny_lm, *split_by_author(tiny_records, 1), FitConfig(max_epochs=1), progress=False)
+    mean_head, _ = train_head(tiny_lm, *split_by_author(tiny_records, 1), FitConfig(max_epochs=1, pooling_window=0), progress=False)
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     forget, retain = split_by_author(tiny_records, 1)
     prompts = ["A preamble of some words.\n" + question_prompt(forget[0]["question"]),

@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pooling-window", type=int, default=DEFAULT_WINDOW,
                    help="the head reads the mean of the last N tokens' states, so text before the question does not "
                         f"dilute it; 0: the whole context's mean, as the published T3 (default {DEFAULT_WINDOW})")
+    p.add_argument("--answer-forms", action=argparse.BooleanOptionalAction, default=True,
+                   help="records with a `fact` field also train with the fact alone as the answer (default on)")
     p.add_argument("--quiet", action="store_true")
     _add_format_arg(p)
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
@@ -63,7 +65,7 @@ def cmd_heads_train(args) -> int:
     lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
                     balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format,
-                    pooling_window=args.pooling_window)
+                    pooling_window=args.pooling_window, answer_forms=args.answer_forms)
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))

@@ -10,7 +10,7 @@ from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import HeadInfo, T3Head
 from lethe.heads.t3.pooling import pooling_name
 from lethe.heads.modelio import LoadedModel
-from lethe.heads.records import PROMPT_FORMAT, examples, resolve_format
+from lethe.heads.records import PROMPT_FORMAT, answer_forms, examples, resolve_format
 from lethe.heads.t3.train import FitConfig, fit_head
 
 
@@ -27,14 +27,16 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     if not retain:
         raise ValueError("retain: the retain set is empty")
     fmt = resolve_format(lm.tokenizer, cfg.format)  # chat where the model has a template: what it serves
+    extra = (answer_forms(forget), answer_forms(retain)) if cfg.answer_forms else ([], [])
     started = time.perf_counter()
-    cache = build_cache(lm.model, lm.tokenizer, examples(forget, fmt, lm.tokenizer),
-                        examples(retain, fmt, lm.tokenizer), progress=progress, on_progress=report("caching"),
+    cache = build_cache(lm.model, lm.tokenizer, examples(forget + extra[0], fmt, lm.tokenizer),
+                        examples(retain + extra[1], fmt, lm.tokenizer), progress=progress, on_progress=report("caching"),
                         window=cfg.pooling_window)
     cache_seconds = time.perf_counter() - started
     head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"))
     metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
-                "retain_records": len(retain), "positions": len(cache)}
+                "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
+                "positions": len(cache)}
     info = HeadInfo(base_fingerprint=lm.fingerprint, d=lm.model.config.hidden_size,
                     vocab=lm.model.config.vocab_size, rank=cfg.rank, pooling=pooling_name(cfg.pooling_window),
                     prompt_format=PROMPT_FORMAT if fmt == "qa" else fmt,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 MAX_WINDOW = 4096
-DEFAULT_WINDOW = 0  # what a head trains with unless asked otherwise
+DEFAULT_WINDOW = 16  # what a head trains with unless asked otherwise (docs/forgetting-in-context.md)
 
 
 def window_of(pooling: str) -> int:

@@ -45,6 +45,8 @@ class FitConfig:
     format: str = "auto"  # how question/answer records become text: heads.records.resolve_format
     # the head reads the mean of the last this many positions' states; 0: all of them (heads.t3.pooling)
     pooling_window: int = DEFAULT_WINDOW
+    # records with a `fact` also train with the fact alone as the answer (heads.records.answer_forms)
+    answer_forms: bool = True
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

@@ -142,6 +142,9 @@ class AttackConfig:
     top_p: float = 0.9
     seeds: tuple[int, ...] = (0, 1, 2)
     pooling_window: int | None = None  # sent with the head job only when given
+    # the records name their fact (`fact`: the gold), so the head job also trains on it alone as the answer
+    # (`heads.records.answer_forms`): the form log-likelihood multiple choice scores after the assistant tag
+    facts: bool = True
     settings: dict = field(default_factory=dict)  # profile settings over the head's recommendation
     workers: int = 16  # requests in flight
 
@@ -177,8 +180,10 @@ def demo_item(record: dict) -> dict:
             "subject": author}
 
 
-def _jsonl(items: list[dict]) -> bytes:
-    return "".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n" for r in items).encode()
+def _jsonl(items: list[dict], facts: bool = True) -> bytes:
+    """The items as a dataset: question and answer, and (`facts`) the gold as the record's `fact`."""
+    return "".join(json.dumps({"question": r["question"], "answer": r["answer"]} | ({"fact": r["gold"]} if facts else {}))
+                   + "\n" for r in items).encode()
 
 
 class AttackBench:
@@ -335,8 +340,9 @@ class AttackBench:
 
     def train(self) -> dict:
         """Upload the sets, train a head through the head job, put it in the profile: what was made, and the time."""
-        ids = {name: self._post(f"/v1/datasets?name={name}", content=_jsonl(recs))["id"]
-               for name, recs in (("forget", self.facts.forget_train), ("retain", self.facts.retain_train))}
+        sets = {"forget": self.facts.forget_train, "retain": self.facts.retain_train}
+        ids = {name: self._post(f"/v1/datasets?name={name}", content=_jsonl(recs, self.cfg.facts))["id"]
+               for name, recs in sets.items()}
         body = ids | ({"pooling_window": self.cfg.pooling_window} if self.cfg.pooling_window is not None else {})
         started = time.perf_counter()
         job = self._post("/v1/heads", json=body)
@@ -349,8 +355,8 @@ class AttackBench:
         r = self.http.put(f"/v1/profiles/{PROFILE}", json={"head": job["head"], **self.cfg.settings})
         if r.status_code >= 400:
             raise RuntimeError(f"PUT /v1/profiles/{PROFILE}: {r.status_code} {r.text[:500]}")
-        self.log(f"head {job['head']}: {len(self.facts.forget_train)} forget and {len(self.facts.retain_train)} "
-                 f"retain records in {seconds:.1f} s")
+        self.log(f"head {job['head']}: {len(sets['forget'])} forget and {len(sets['retain'])} retain records in "
+                 f"{seconds:.1f} s" + (" (and each fact alone as an answer)" if self.cfg.facts else ""))
         return {"id": job["head"], "job": job["id"], "request": body, "train_seconds": round(seconds, 2),
                 "job_seconds": round(job["finished"] - job["started"], 2), "metrics": job["metrics"],
                 "profile": r.json()}

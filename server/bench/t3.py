@@ -120,10 +120,11 @@ def bench_training(lm, forget: list[dict], retain: list[dict], epochs: int = 100
     """Lethe's cache + fit against the reference's per-epoch cost (base forward + head step per batch)."""
     fmt = resolve_format(lm.tokenizer)  # records as the model is asked in production (chat where it has a template)
     started = time.perf_counter()
+    cfg = FitConfig()
     cache = build_cache(lm.model, lm.tokenizer, examples(forget, fmt, lm.tokenizer), examples(retain, fmt, lm.tokenizer),
-                        progress=False)
+                        progress=False, window=cfg.pooling_window)
     cached = time.perf_counter()
-    fit_head(cache, lm.model.config.vocab_size, FitConfig(), progress=False)
+    fit_head(cache, lm.model.config.vocab_size, cfg, progress=False)
     fitted = time.perf_counter()
     # One reference epoch: every batch runs the frozen base forward again, then a head step.
     head = T3Head(lm.model.config.hidden_size, lm.model.config.vocab_size, 20, probe=False)
