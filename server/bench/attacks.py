@@ -210,7 +210,15 @@ class AttackBench:
         return r.json()
 
     def _post(self, path: str, **kwargs) -> dict:
-        r = self.http.post(path, **kwargs)
+        """POST, and the answer's JSON. A generation request whose connection the server closed as it was reused
+        (keep-alive's race: a reset) is sent again, up to twice: it changes nothing on the server."""
+        for attempt in range(3 if path in ("/v1/chat/completions", "/v1/completions") else 1):
+            try:
+                r = self.http.post(path, **kwargs)
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+                if attempt == 2 or path not in ("/v1/chat/completions", "/v1/completions"):
+                    raise
         if r.status_code >= 400:
             raise RuntimeError(f"POST {path}: {r.status_code} {r.text[:500]}")
         return r.json()
