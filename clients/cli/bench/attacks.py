@@ -40,7 +40,9 @@ def register(bench: argparse._SubParsersAction) -> None:
 
 def _command(args) -> str:
     """The command line that makes this run again."""
-    words = ["lethe", "bench", "attacks", "--model", str(args.model)]
+    from lethe.server.bench import shown_path
+
+    words = ["lethe", "bench", "attacks", "--model", shown_path(args.model)]
     words += ["--limit", str(args.limit)] * (args.limit is not None) + ["--quick"] * args.quick
     words += ["--pooling-window", str(args.pooling_window)] * (args.pooling_window is not None)
     words += ["--no-facts"] * (not args.facts)
