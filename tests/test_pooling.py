@@ -94,3 +94,37 @@ def test_a_window_heads_file_says_its_pooling_and_other_poolings_are_refused(tin
         save_file(dict(head.state_dict()), str(tmp_path / "bad.safetensors"), metadata=meta)
         with pytest.raises(HeadFileError, match="metadata pooling: 'mean' or 'window:W'"):
             load_head(tmp_path / "bad.safetensors")
+
+
+def test_pool_stays_exact_through_any_sequence_of_joins_and_departures():
+    """Random joins (with wider, narrower or no windows) and departures, as continuous batching makes them: a
+    batch whose widest-window row had left once failed the next join (the buffer was wider than any window)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        rows, seqs = [], []
+
+        def join(n):
+            start = len(seqs)
+            for _ in range(n):
+                seqs.append([torch.randn(30, 3), rng.choice([0, 0, 1, 4, 16]), rng.randint(1, 6)])
+            rows.extend(range(start, len(seqs)))
+            new = range(start, len(seqs))
+            return Pool([seqs[r][0][:seqs[r][2]] for r in new], [seqs[r][1] for r in new])
+
+        pool = join(rng.randint(1, 4))
+        for _ in range(10):
+            if rng.random() < 0.3:
+                pool.merge(join(rng.randint(1, 4)))
+            elif len(rows) > 1 and rng.random() < 0.5:
+                kept = sorted(rng.sample(range(len(rows)), rng.randint(1, len(rows))))
+                pool.keep(torch.tensor(kept))
+                rows[:] = [rows[i] for i in kept]
+            got = pool.pooled()
+            for j, r in enumerate(rows):
+                h, window, n = seqs[r]
+                torch.testing.assert_close(got[j], pooled_positions(h[:n], window)[-1])
+            pool.push(torch.stack([seqs[r][0][seqs[r][2]] for r in rows]))
+            for r in rows:
+                seqs[r][2] += 1

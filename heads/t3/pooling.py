@@ -95,7 +95,7 @@ class Pool:
 
     def merge(self, other: "Pool") -> None:
         """Add `other`'s rows after these."""
-        width = max(max(self.windows, default=0), max(other.windows, default=0))
+        width = max([0, *self.windows, *other.windows] + [p.recent.size(1) for p in (self, other) if p.recent is not None])
         self.sum, self.count = torch.cat([self.sum, other.sum]), torch.cat([self.count, other.count])
         self.windows += other.windows
         if width:
