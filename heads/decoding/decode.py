@@ -120,8 +120,8 @@ class TorchRows:
         lm_head, width = model.get_output_embeddings(), hidden.size(1)
         self.prompt_hidden = [hidden[i, width - len(p):] for i, p in enumerate(prompts)]
         self.prompt_logits = [  # per row: (its logits at a span of its prompt, its prompt's hidden states)
-            ((lambda span, h=hidden[i, width - len(p):]: lm_head(h[span]).float()), hidden[i, width - len(p):])
-            if keep else None for i, (p, keep) in enumerate(zip(prompts, keep_prompt_logits))]
+            ((lambda span, h=h: lm_head(h[span]).float()), h) if keep else None
+            for h, keep in zip(self.prompt_hidden, keep_prompt_logits)]
 
     def logits(self) -> torch.Tensor:
         return next_logits(self.model, self.last_hidden)

@@ -72,10 +72,11 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
             mask[r, :len(encoded[i][0])] = 1
         positions = torch.arange(width).expand(len(idx), width)
         hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), None).float()
+        pooled_all = pooled_positions(hidden, window)  # right padding: each row's positions are its own first
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]
             lo, hi = starts[i], starts[i + 1]
-            rows = pooled_positions(hidden[r, :len(seq) - 1], window)[n_prompt - 1:].to(torch.float16).cpu()
+            rows = pooled_all[r, n_prompt - 1:len(seq) - 1].to(torch.float16).cpu()
             pooled[lo:hi] = rows if isinstance(pooled, torch.Tensor) else rows.numpy()
             target[lo:hi] = torch.tensor(seq[n_prompt:])
             label[lo:hi] = labels[i]

@@ -33,13 +33,14 @@ def pooling_name(window: int) -> str:
 
 
 def pooled_positions(hidden: torch.Tensor, window: int = 0) -> torch.Tensor:
-    """(L, d) -> (L, d): at each position, the mean of the states over the last `window` positions up to it
-    (0: all of them)."""
-    total = hidden.float().cumsum(0)
-    counts = torch.arange(1, len(hidden) + 1, device=hidden.device, dtype=total.dtype)[:, None]
+    """(..., L, d) -> (..., L, d): at each position, the mean of the states over the last `window` positions up to
+    it (0: all of them)."""
+    total = hidden.float().cumsum(-2)
+    counts = torch.arange(1, hidden.size(-2) + 1, device=hidden.device, dtype=total.dtype)[:, None]
     if window == 0:
         return total / counts
-    before = torch.cat([total.new_zeros(window, total.size(1)), total])[:len(hidden)]  # the sum up to t - window
+    zeros = total.new_zeros(*total.shape[:-2], window, total.size(-1))
+    before = torch.cat([zeros, total], -2)[..., :hidden.size(-2), :]  # the sum up to t - window
     return (total - before) / counts.clamp(max=window)
 
 
@@ -47,7 +48,7 @@ class Pool:
     """The pooled states of a batch's rows, row i over its own window `windows[i]` (0: the whole context).
 
     Keeps the running sum and count of every row, and, when some row has a window, the last states of every
-    row in a (B, W_max, d) buffer that shifts by one position a step (a few hundred kilobytes: nothing beside
+    row in a (B, width, d) buffer that shifts by one position a step (a few hundred kilobytes: nothing beside
     a forward pass)."""
 
     def __init__(self, prompt_hidden: list[torch.Tensor], windows: list[int]):
@@ -55,28 +56,24 @@ class Pool:
         self.sum = torch.stack([h.float().sum(0) for h in prompt_hidden])
         self.count = torch.tensor([len(h) for h in prompt_hidden], device=self.sum.device,
                                   dtype=torch.float32)[:, None]
-        self.windows = list(windows)
-        self.recent = self.weights = self.window = None
-        width = max(self.windows, default=0)
+        self.window = torch.tensor(windows, device=self.sum.device, dtype=torch.float32)[:, None]  # (B, 1)
+        self.recent = None
+        width = max(windows, default=0)
         if width:
             self.recent = self.sum.new_zeros(len(prompt_hidden), width, self.sum.size(1))
-            for i, (h, w) in enumerate(zip(prompt_hidden, self.windows)):
+            for i, (h, w) in enumerate(zip(prompt_hidden, windows)):
                 tail = h[-w:].float() if w else h[:0].float()
                 self.recent[i, width - len(tail):] = tail
-            self._weigh()
-
-    def _weigh(self) -> None:
-        """The windows as a (B, 1) column, and (B, W_max, 1) weights: 1 on the last W_i slots of windowed rows."""
-        self.window = torch.tensor(self.windows, device=self.sum.device, dtype=torch.float32)[:, None]
-        slots = torch.arange(self.recent.size(1), device=self.sum.device)[None, :]
-        self.weights = ((slots >= self.recent.size(1) - self.window) & (self.window > 0)).float()[:, :, None]
 
     def pooled(self) -> torch.Tensor:
         """(B, d): each row's pooled state now."""
         mean = self.sum / self.count
         if self.recent is None:
             return mean
-        windowed = (self.recent * self.weights).sum(1) / torch.minimum(self.count, self.window.clamp(min=1))
+        width = self.recent.size(1)
+        slots = torch.arange(width, device=self.sum.device)[None, :]
+        last = (slots >= width - self.window).float()[:, :, None]  # the row's last W slots (none where W = 0)
+        windowed = (self.recent * last).sum(1) / torch.minimum(self.count, self.window.clamp(min=1))
         return torch.where(self.window > 0, windowed, mean)
 
     def push(self, hidden: torch.Tensor) -> None:
@@ -88,20 +85,20 @@ class Pool:
             self.recent = torch.cat([self.recent[:, 1:], hidden[:, None]], 1)
 
     def keep(self, idx: torch.Tensor) -> None:
-        self.sum, self.count = self.sum[idx], self.count[idx]
-        self.windows = [self.windows[i] for i in idx.tolist()]
+        self.sum, self.count, self.window = self.sum[idx], self.count[idx], self.window[idx]
         if self.recent is not None:
-            self.recent, self.weights, self.window = self.recent[idx], self.weights[idx], self.window[idx]
+            self.recent = self.recent[idx]
 
     def merge(self, other: "Pool") -> None:
         """Add `other`'s rows after these."""
-        width = max([0, *self.windows, *other.windows] + [p.recent.size(1) for p in (self, other) if p.recent is not None])
+        rows = len(self.sum)
+        width = max([int(self.window.max()), int(other.window.max())] +
+                    [p.recent.size(1) for p in (self, other) if p.recent is not None])
         self.sum, self.count = torch.cat([self.sum, other.sum]), torch.cat([self.count, other.count])
-        self.windows += other.windows
+        self.window = torch.cat([self.window, other.window])
         if width:
-            self.recent = torch.cat([_left(self.recent, width, len(self.sum) - len(other.sum), self.sum),
-                                     _left(other.recent, width, len(other.sum), other.sum)])
-            self._weigh()
+            self.recent = torch.cat([_left(self.recent, width, rows, self.sum),
+                                     _left(other.recent, width, len(other.sum), self.sum)])
 
 
 def _left(recent: torch.Tensor | None, width: int, rows: int, like: torch.Tensor) -> torch.Tensor:

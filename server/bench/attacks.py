@@ -212,12 +212,13 @@ class AttackBench:
     def _post(self, path: str, **kwargs) -> dict:
         """POST, and the answer's JSON. A generation request whose connection the server closed as it was reused
         (keep-alive's race: a reset) is sent again, up to twice: it changes nothing on the server."""
-        for attempt in range(3 if path in ("/v1/chat/completions", "/v1/completions") else 1):
+        attempts = 3 if path in ("/v1/chat/completions", "/v1/completions") else 1
+        for attempt in range(attempts):
             try:
                 r = self.http.post(path, **kwargs)
                 break
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
-                if attempt == 2 or path not in ("/v1/chat/completions", "/v1/completions"):
+                if attempt == attempts - 1:
                     raise
         if r.status_code >= 400:
             raise RuntimeError(f"POST {path}: {r.status_code} {r.text[:500]}")
