@@ -1,5 +1,6 @@
 # Two commands for a fresh clone: `make serve` and `make test`.
 # On a real pretrained chat model: `make real-model`, then `make serve MODEL=models/smollm2-135m-instruct`.
+# The llama.cpp engine (`--engine llamacpp`) is a step of its own: `make llamacpp` compiles it (7-10 min on 2 cores).
 # Installs take the exact versions in requirements.lock (main dependencies and the extras test, gguf and bench), so
 # a new release of a dependency changes nothing until `make lock` is run and its result committed.
 PY ?= python3
@@ -21,20 +22,35 @@ FREEZE = pip freeze --exclude-editable --exclude lethe | sed -E 's/^(torch==[^+]
 # llama-cpp-python (the llama.cpp engine) builds from source with this machine's instructions, AMX left out: GCC 12
 # drops the stores that fill in ggml's AMX tile configuration, so on CPUs with AMX any batch of more than one token
 # crashed (ggml-org/llama.cpp#26954). Built without pip's wheel cache, which would hand back a wheel built without
-# these flags. It takes about 7 minutes on 2 cores, once per venv.
+# these flags. It takes 7-10 minutes on 2 cores, so `make install` leaves it out (it installs the lock without its
+# llama_cpp_python line; that package's dependencies are in the lock) and `make llamacpp` builds it, once per venv
+# (again after the lock changed, where pip finds the locked version already installed unless it changed).
 LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
-LLAMA_CPP = CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(1)/pip install -q --no-cache-dir --no-deps $(2)
+LLAMA_LOCKED := $(shell grep -E '^llama_cpp_python==' $(LOCK))
+# $(1): the venv's bin, $(2): the requirement, $(3): the log. pip's verbose output goes to the log, and the build's
+# steps (ninja's [n/m], make's [ n%]) are printed every 5%. bash (the targets that call it set SHELL): pipefail, so a
+# failed build fails make, after the log's last lines.
+LLAMA_CPP = echo "make: compiling llama.cpp for $(2): about 7-10 minutes on 2 cores (log: $(3))"; set -o pipefail; \
+	percent='\[ *([0-9]+)%\]'; steps='\[([0-9]+)/([1-9][0-9]*)\]'; \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(1)/pip install -v --no-cache-dir --no-deps $(2) < /dev/null 2>&1 | tee $(3) \
+	| while IFS= read -r line; do \
+	    if [[ $$line =~ $$percent ]]; then p=$${BASH_REMATCH[1]}; \
+	    elif [[ $$line =~ $$steps ]]; then p=$$(( 100 * BASH_REMATCH[1] / BASH_REMATCH[2] )); else continue; fi; \
+	    if (( p >= last + 5 )); then echo "make: llama.cpp $$p% built"; last=$$p; fi; \
+	  done \
+	|| { tail -n 40 $(3) >&2; echo "make: the llama.cpp build failed; its whole log: $(3)" >&2; exit 1; }
 
-.PHONY: serve test install install-test check-lock lock real-model gpu-check clean
+.PHONY: serve test install install-test llamacpp check-lock lock real-model gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# `pip check`: the lock satisfies the project's requirements (tests/test_packaging.py checks the extras' too).
+# The lock without its llama_cpp_python line (`make llamacpp` builds that one). `pip check`: the lock satisfies the
+# project's requirements (tests/test_packaging.py checks the extras' too).
 $(VENV)/.installed: $(BIN)/python pyproject.toml $(LOCK)
-	$(call LLAMA_CPP,$(BIN),$$(grep -E '^llama_cpp_python==' $(LOCK)))
-	$(BIN)/pip install -q -r $(LOCK)
+	grep -vE '^llama_cpp_python==' $(LOCK) > $(VENV)/requirements-no-llamacpp.txt
+	$(BIN)/pip install -q -r $(VENV)/requirements-no-llamacpp.txt
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/pip check
 	touch $@
@@ -44,22 +60,31 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps -e ".[test,gguf,bench]"
 	touch $@
 
+# llama-cpp-python as the lock pins it, compiled (LLAMA_CPP above); its dependencies came with the lock.
+$(VENV)/.llamacpp: SHELL := /bin/bash
+$(VENV)/.llamacpp: $(VENV)/.installed
+	@$(call LLAMA_CPP,$(BIN),$(LLAMA_LOCKED),$(VENV)/llamacpp-build.log)
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+llamacpp: $(VENV)/.llamacpp
 
-# The venv holds exactly the lock's packages and versions, nothing else (CI runs it on its fresh clone).
-check-lock: install-test
+# The venv holds exactly the lock's packages and versions, nothing else (CI runs it on its fresh clone): with
+# llama-cpp-python, which the lock holds, so it is built first.
+check-lock: install-test llamacpp
 	$(BIN)/$(FREEZE) > $(VENV)/freeze.txt
 	grep -vE '^(#|$$)' $(LOCK) | diff -u - $(VENV)/freeze.txt
 	@echo "check-lock: $(VENV) matches $(LOCK)"
 
 # Regenerate the lock: a fresh venv given TORCH and the project with every extra takes the newest releases within
 # pyproject.toml's bounds; its `pip freeze` is the lock. Review the diff, run `make test`, commit both files.
+lock: SHELL := /bin/bash
 lock:
 	rm -rf $(LOCK_VENV)
 	$(PY) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install -q --upgrade pip
-	$(call LLAMA_CPP,$(LOCK_VENV)/bin,"llama-cpp-python>=0.3.36$(,)<0.4")
+	@$(call LLAMA_CPP,$(LOCK_VENV)/bin,'llama-cpp-python>=0.3.36$(,)<0.4',$(LOCK_VENV)/llamacpp-build.log)
 	$(LOCK_VENV)/bin/pip install -q "$(TORCH)" -e ".[test,gguf,bench]"
 	{ echo "# Exact versions for \`make install\` and CI (Python 3.11, Linux x86-64, torch's CPU build): written by"; \
 	  echo "# \`make lock\` from a fresh venv given $(TORCH) and .[test,gguf,bench]. Do not edit by hand."; \

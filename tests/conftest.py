@@ -63,6 +63,17 @@ REAL_MODEL = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-i
 REAL_GGUF = REAL_MODEL.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def require_llama_cpp() -> None:
+    """llama-cpp-python, which `make install` leaves out and `make llamacpp` compiles: a developer without it skips
+    the llama.cpp tests; CI fails (`.ci/run` builds it, `make check-lock` depends on it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("CI"):
+            pytest.fail("llama-cpp-python is missing: `make llamacpp` builds it (CI runs it)")
+        pytest.skip("llama-cpp-python is not installed: run `make llamacpp` (7-10 minutes on 2 cores)")
+
+
 @pytest.fixture(scope="session")
 def real_lm():
     """SmolLM2-135M-Instruct, prepared by `make real-model`. Tests that use it are marked `real`: CI runs them

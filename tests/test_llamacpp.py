@@ -1,15 +1,12 @@
-"""The llama.cpp engine (issue 16) on the real model's GGUF file, as CI builds llama-cpp-python (`make install`):
+"""The llama.cpp engine (issue 16) on the real model's GGUF file, as CI builds llama-cpp-python (`make llamacpp`):
 a row decodes in a batch as it would alone, heads tilt per row, sequences are freed, and the server serves it."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import httpx
 import pytest
 
-from conftest import REAL_GGUF
+from conftest import REAL_GGUF, require_llama_cpp
 from test_real_model import CAPITALS, _capital_records
 
 pytestmark = pytest.mark.real
@@ -19,10 +16,7 @@ ROWS = 8
 
 @pytest.fixture(scope="module")
 def llama(real_lm):
-    if importlib.util.find_spec("llama_cpp") is None:
-        if os.environ.get("CI"):
-            pytest.fail("llama-cpp-python is missing: `make install` builds it (CI runs it)")
-        pytest.skip("llama-cpp-python is not installed: make install")
+    require_llama_cpp()
     from lethe.heads.decoding.llamacpp import open_gguf
 
     model = open_gguf(real_lm, REAL_GGUF, ROWS, 512)

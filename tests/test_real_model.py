@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REAL_GGUF, REAL_MODEL
+from conftest import REAL_GGUF, REAL_MODEL, require_llama_cpp
 
 pytestmark = pytest.mark.real
 
@@ -110,9 +110,9 @@ def test_a_head_trained_on_the_real_model_forgets_its_topic_and_keeps_the_rest(r
 
 
 def test_llama_cpp_decodes_in_a_process_of_its_own_the_same_alone_and_batched(real_lm):
-    """`lethe bench engine`'s llama.cpp runs (llama-cpp-python as `make install` builds it): a
+    """`lethe bench engine`'s llama.cpp runs (llama-cpp-python as `make llamacpp` builds it): a
     sequence decoded alone and the same sequence among 8 in one batch give the same greedy tokens."""
-    pytest.importorskip("llama_cpp")
+    require_llama_cpp()
     from lethe.server.bench.engine import llamacpp_run
     from lethe.heads.records import ask
 
