@@ -74,3 +74,20 @@ def test_check_lock_builds_llama_cpp_before_comparing_the_venv_with_the_whole_lo
     build = next(i for i, line in enumerate(lines) if _builds_llama(line))
     diff = next(i for i, line in enumerate(lines) if "diff -u" in line)
     assert build < diff and lines[diff].startswith("grep -vE '^(#|$)' requirements.lock | diff -u - "), lines[diff]
+
+
+def test_the_llama_cpp_engine_without_llama_cpp_python_says_in_one_line_to_run_make_llamacpp(tmp_path):
+    """`make install` leaves llama-cpp-python out: `lethe serve --engine llamacpp` and `lethe bench engine` on a
+    GGUF file fail at once, in one line naming `make llamacpp` (before any model loads)."""
+    import sys
+
+    script = ("import sys; sys.modules['llama_cpp'] = None  # as in a venv without llama-cpp-python\n"
+              "from lethe.clients.cli import main\n"
+              f"print(main(['serve', '--engine', 'llamacpp', '--data-dir', {str(tmp_path / 'data')!r}]), "
+              "main(['bench', 'engine', '--model', 'missing.gguf', '--forget', 'f.jsonl', '--retain', 'r.jsonl']))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.stdout.split() == ["1", "1"], out
+    errors = out.stderr.splitlines()
+    assert len(errors) == 2 and all(e.startswith("lethe: error: the llama.cpp engine needs llama-cpp-python")
+                                    and "run `make llamacpp`" in e for e in errors), out.stderr
+    assert not (tmp_path / "data").exists()

@@ -64,7 +64,7 @@ def _engine_model(args, lm, rows: int):
 def _add_engine_args(p: argparse.ArgumentParser, default: str | None = "torch") -> None:
     p.add_argument("--engine", default=default, choices=["torch", "llamacpp"],
                    help="what decodes: torch (default; transformers) or llamacpp (llama.cpp on the GGUF file, "
-                        "several times faster on a CPU; pip install 'lethe[llamacpp]'; no ASU adapters)")
+                        "several times faster on a CPU; needs `make llamacpp`; no ASU adapters)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="with --engine llamacpp: the GGUF file (default: --model, when it is one)")
 

@@ -64,6 +64,10 @@ def cmd_serve(args) -> int:
     except ValidationError as e:
         raise ValueError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
                                    for err in e.errors())) from None
+    if settings.engine == "llamacpp":  # llama-cpp-python is built apart (`make llamacpp`): missing, fail first
+        from lethe.heads.decoding.llamacpp import _library
+
+        _library()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if settings.blob_url:
         from lethe.server.blobs import check_blob_url

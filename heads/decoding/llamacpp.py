@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 log = logging.getLogger("lethe.llamacpp")
-BUILD_HINT = ("pip install 'lethe[llamacpp]' (built from source; on CPUs with AMX add the CMAKE_ARGS the README "
-              "gives, or batched prompts crash)")
+# `make install` leaves llama-cpp-python out (it compiles for 7-10 minutes); `make llamacpp` builds it
+BUILD_HINT = ("run `make llamacpp` (it compiles llama.cpp: 7-10 minutes on 2 cores; or pip install "
+              "'lethe[llamacpp]' with the README's CMAKE_ARGS)")
 
 
 class LlamaCppError(RuntimeError):
@@ -39,7 +40,7 @@ def _library():
     try:
         import llama_cpp
     except ImportError:
-        raise LlamaCppError(f"the llama.cpp engine needs llama-cpp-python: {BUILD_HINT}") from None
+        raise LlamaCppError(f"the llama.cpp engine needs llama-cpp-python (not installed): {BUILD_HINT}") from None
     if _log_callback is None:  # llama.cpp prints hundreds of lines per load: its errors go to our log, the rest
         # (levels none, info, warn, debug, continued) to debug
         @llama_cpp.llama_log_callback

@@ -31,7 +31,8 @@ def register(bench: argparse._SubParsersAction) -> None:
                                                                  "head's training set without --head)")
     p.add_argument("--retain", type=Path, required=True)
     p.add_argument("--gguf", type=Path, default=None, help="the model's GGUF file, for llama.cpp (needs "
-                                                           "llama-cpp-python; default: --model if it is one)")
+                                                           "llama-cpp-python: `make llamacpp`; default: --model if "
+                                                           "it is one)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="rounds: one run of each variant per round")
     p.add_argument("--equality", type=int, default=48, help="prompts whose greedy answers are compared")
@@ -111,27 +112,29 @@ def _print_bench_decode(rows: list[dict]) -> None:
 
 
 def cmd_bench_engine(args) -> int:
-    import importlib.util
-
     from lethe.server.bench.engine import bench_engine
     from lethe.heads.io import atomic_write_text
     from lethe.heads.modelio import load_model
     from lethe.heads.records import ask, read_jsonl, resolve_format
     from lethe.heads.t3.pipeline import train_head
 
+    gguf = args.gguf or (args.model if str(args.model).endswith(".gguf") else None)
+    if gguf is not None:  # a GGUF file is benched on llama.cpp: without llama-cpp-python, fail now, in one line
+        from lethe.heads.decoding.llamacpp import _library
+
+        _library()
     lm = load_model(args.model, args.device, args.dtype)
     forget, retain = read_jsonl(args.forget), read_jsonl(args.retain)
     head, settings = _profile(args, lm)
     if head is None:
         print("bench engine: training a head on --forget / --retain", file=sys.stderr, flush=True)
         head, _ = train_head(lm, forget, retain, progress=False)
-    gguf = args.gguf or (args.model if str(args.model).endswith(".gguf") else None)
     records = forget + retain
     step = max(1, len(records) // max(args.equality, 8))
     fmt = resolve_format(lm.tokenizer)
     prompts = [ask(r["question"], fmt, lm.tokenizer) for r in records[::step]][:max(args.equality, 8)]
     decoder = None
-    if gguf is not None and importlib.util.find_spec("llama_cpp") is not None:
+    if gguf is not None:
         from lethe.heads.decoding.llamacpp import open_gguf
 
         decoder = open_gguf(lm, gguf, 8, None)
