@@ -1,8 +1,9 @@
 """The engine: one worker thread that decodes queued requests together.
 
-Requests wait in a bounded queue. Between two decoding steps the worker
-prefills every waiting request (up to `max_batch_size` rows in all) and merges
-it into the running `Batch`; a row that finishes leaves the batch at once
+Requests wait in a bounded queue, per tenant (`scheduler.FairQueue`). Between two
+decoding steps the worker prefills the waiting requests the scheduler admits (up
+to `max_batch_size` rows in all, tenant by tenant, the least served first) and
+merges them into the running `Batch`; a row that finishes leaves the batch at once
 (continuous batching). Each request carries its own (head, settings) row, fixed when it was
 admitted, so rows of different tenants and profile versions share a batch.
 Callers get a future; a full queue raises `QueueFull`. A streaming caller gets
@@ -27,15 +28,9 @@ from lethe.heads.t3.guide import HeadGuide, TiltSettings
 from lethe.heads.t3.head import T3Head
 from lethe.heads.modelio import LoadedModel
 from lethe.heads.decoding.sampling import SamplingParams
+from lethe.server.scheduler import FairQueue, QueueFull
 
 log = logging.getLogger("lethe.engine")
-
-
-class QueueFull(RuntimeError):
-    pass
-
-
-_WAKE = object()  # wakes an idle worker for a control command
 
 
 def _is_peft(model) -> bool:
@@ -50,6 +45,7 @@ class Pending:
     params: SamplingParams
     row: tuple[T3Head, TiltSettings] | None = None
     adapter: str | None = None  # the name of an attached ASU adapter
+    tenant: str | None = None  # whose request (None: anonymous callers): admission is fair between tenants
     on_text: Callable[[str, list | None], None] | None = None  # (new text, log-probabilities since the last call)
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -67,7 +63,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.metrics = metrics
-        self.queue: queue.Queue[Pending | None] = queue.Queue(maxsize=max_queue)
+        self.queue = FairQueue(max_batch_size, max_queue)
         self.controls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         # A fast tokenizer keeps its padding settings in the object and changes them on every call, so two
         # threads calling one tokenizer can pad each other's batches: the engine thread decodes with its own
@@ -99,10 +95,7 @@ class Engine:
             return self.lm.tokenizer.decode(ids)
 
     def submit(self, pending: Pending) -> Pending:
-        try:
-            self.queue.put_nowait(pending)
-        except queue.Full:
-            raise QueueFull(f"{self.queue.maxsize} requests are already waiting") from None
+        self.queue.put(pending)  # QueueFull: this caller holds its part of a full queue
         if self.metrics:
             self.metrics.queue_depth.set(self.queue.qsize())
         return pending
@@ -111,10 +104,7 @@ class Engine:
         """Run `fn` in the engine thread between two decoding steps (model changes must not race a step)."""
         future: Future = Future()
         self.controls.put((fn, future))
-        try:
-            self.queue.put_nowait(_WAKE)  # an idle worker waits on the request queue
-        except queue.Full:
-            pass  # a full queue means a busy worker, which runs controls between steps anyway
+        self.queue.wake()  # an idle worker waits on the request queue
         return future
 
     def private_copy(self) -> LoadedModel:
@@ -158,25 +148,18 @@ class Engine:
             raise
 
     def close(self) -> None:
-        self.queue.put(None)
+        self.queue.close()
         self._thread.join(timeout=30)
         if self.decoder is not None and not self._thread.is_alive():
             self.decoder.close()
 
-    def _take(self, block: bool, room: int) -> list[Pending] | None:
-        """Up to `room` waiting requests (waiting for the first when `block`); None when told to stop."""
-        group: list[Pending] = []
-        while len(group) < room:
-            self._run_controls()
-            try:
-                item = self.queue.get() if block and not group else self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                return None
-            if item is _WAKE:
-                continue
-            group.append(item)
+    def _take(self, block: bool, active: list[Pending]) -> list[Pending] | None:
+        """The waiting requests admitted to the batch beside `active` (waiting for one when `block`); None when
+        told to stop."""
+        self._run_controls()
+        group = self.queue.take(block, self.max_batch_size - len(active), [p.tenant for p in active])
+        if group is None:
+            return None
         self._run_controls()
         if self.metrics:
             self.metrics.queue_depth.set(self.queue.qsize())
@@ -207,7 +190,7 @@ class Engine:
         word_classes(self.tokenizer)  # the repeat guard's table (about a second for 50k tokens), before any request
         batch, active = None, []
         while True:
-            new = self._take(block=batch is None, room=self.max_batch_size - len(active))
+            new = self._take(block=batch is None, active=active)
             if new is None:
                 break
             joined = None

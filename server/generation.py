@@ -82,7 +82,7 @@ def _admit(request: Request, caller: Caller | None, prompt: str, params: Samplin
     except BaseException:
         give_back()
         raise
-    resolved = replace(resolved, release=_once(resolved.release, give_back))
+    resolved = replace(resolved, tenant=tenant, release=_once(resolved.release, give_back))
     app.state.metrics.count_profile(resolved)  # by kind: a profile's name is the tenant's, never a label
     return resolved, prompt_tokens
 
@@ -110,7 +110,7 @@ def _once(*releases: Callable[[], None] | None) -> Callable[[], None]:
 def submit(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
            on_text: Callable[[str, list | None], None] | None = None) -> Pending:
     """Queue the request; whatever it pinned at admission is released when it ends, however it ends."""
-    pending = Pending(prompt, params, resolved.row, resolved.adapter, on_text=on_text)
+    pending = Pending(prompt, params, resolved.row, resolved.adapter, resolved.tenant, on_text=on_text)
     pending.future.add_done_callback(lambda _: resolved.done())
     try:
         return request.app.state.engine.submit(pending)

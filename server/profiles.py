@@ -58,6 +58,7 @@ class Resolved:
     adapter: str | None = None  # an attached ASU adapter's name; None: the base weights
     # gives back what the request holds (its adapter pin, its row in flight); called once (generation._once)
     release: Callable[[], None] | None = field(default=None, compare=False)
+    tenant: str | None = field(default=None, compare=False)  # whose request (None: anonymous): fair admission
 
     def done(self) -> None:
         """The request ended (finished, failed or never admitted): its adapter may be detached from now on."""

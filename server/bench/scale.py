@@ -41,11 +41,15 @@ def _wait(url: str, timeout: float = 180) -> None:
 
 
 @contextmanager
-def plain_server(model: Path, data_dir: Path, database_url: str, admin_key: str, port: int):
-    """`lethe serve` in a process of its own with 1 torch thread (the clients' threads stay out of its GIL)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", LETHE_ADMIN_KEY=admin_key, LETHE_DEMO_TENANT="false")
+def plain_server(model: Path, data_dir: Path, database_url: str | None, admin_key: str, port: int,
+                 threads: int = 1, env: dict | None = None):
+    """`lethe serve` in a process of its own with `threads` torch threads (the clients' threads stay out of its
+    GIL); `env`: more LETHE_ settings."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), LETHE_ADMIN_KEY=admin_key, LETHE_DEMO_TENANT="false",
+               **(env or {}))
+    store = ["--database-url", database_url] if database_url else []
     proc = subprocess.Popen([sys.executable, "-m", "lethe.clients.cli", "serve", "--model", str(model), "--port",
-                             str(port), "--data-dir", str(data_dir), "--database-url", database_url],
+                             str(port), "--data-dir", str(data_dir), *store],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""`lethe bench soak`, `heads` and `scale`: a server under load."""
+"""`lethe bench soak`, `heads`, `scale` and `fairness`: a server under load."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lethe.clients.cli.common import _add_model_args, _modes, _offline_defaults
 
 
 def register(bench: argparse._SubParsersAction) -> None:
-    """`lethe bench soak`, `heads` and `scale`."""
+    """`lethe bench soak`, `heads`, `scale` and `fairness`."""
     p = bench.add_parser("soak", help="a fixed-duration load run: served, errors by class, p50/p99, peak RSS",
                          description="Against --url or $LETHE_URL, or (without one, or with --local) a server "
                                      "of its own on --model.")
@@ -49,6 +49,22 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
     p.set_defaults(func=cmd_bench_scale)
+
+    p = bench.add_parser("fairness", help="a victim tenant's latency while another caller runs at its full allowance",
+                         description="A server of its own on --model (`lethe serve` in a process of its own): a victim tenant's short requests alone, then "
+                                     "beside an anonymous and a keyed aggressor each holding all the requests one "
+                                     "caller may have in flight, then single heavy requests; /healthz probed "
+                                     "throughout. Run it alone.")
+    _add_model_args(p)
+    p.add_argument("--victim-requests", type=int, default=40)
+    p.add_argument("--victim-tokens", type=int, default=8)
+    p.add_argument("--aggressor-tokens", type=int, default=256)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--quota-rows", type=int, default=32, help="requests one caller may have in flight (default 32)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8767)")
+    p.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
+    _offline_defaults(p, port=8767)
+    p.set_defaults(func=cmd_bench_fairness)
 
 
 def _own_server(args, **settings):
@@ -133,6 +149,31 @@ def cmd_bench_scale(args) -> int:
     result = bench_scale(args.model, lm, args.database_url, tenants=args.tenants, clients=args.clients,
                          duration=args.duration, max_tokens=args.max_new_tokens,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=1)
+    if args.out:
+        atomic_write_text(args.out, text + "\n")
+    print(text)
+    return 0
+
+
+def cmd_bench_fairness(args) -> int:
+    import secrets
+    import tempfile
+
+    from lethe.heads.io import atomic_write_text
+    from lethe.server.bench import shown_path
+    from lethe.server.bench.fairness import bench_fairness
+    from lethe.server.bench.scale import plain_server
+
+    admin = secrets.token_urlsafe(16)
+    settings = {"LETHE_ALLOW_ANONYMOUS": "true", "LETHE_MAX_BATCH_SIZE": str(args.max_batch_size),
+                "LETHE_QUOTA_ROWS": str(args.quota_rows), "LETHE_DEVICE": args.device, "LETHE_DTYPE": args.dtype}
+    with tempfile.TemporaryDirectory() as data, \
+            plain_server(args.model, Path(data), None, admin, args.port, threads=2, env=settings) as url:
+        result = bench_fairness(url, admin, rows=args.quota_rows, victim_requests=args.victim_requests,
+                                victim_tokens=args.victim_tokens, aggressor_tokens=args.aggressor_tokens,
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = {"model": shown_path(args.model), "max_batch_size": args.max_batch_size, **result}
     text = json.dumps(result, indent=1)
     if args.out:
         atomic_write_text(args.out, text + "\n")

@@ -1,0 +1,111 @@
+"""Fair serving: no caller's backlog delays another tenant's request by more than about one row's turn, a full
+queue refuses the caller that fills it and not the others, and each tenant's rows are admitted least served first
+(`server/scheduler.py`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from lethe.heads.decoding.sampling import SamplingParams
+from lethe.server.engine import Engine, Pending
+from lethe.server.scheduler import FairQueue, QueueFull, pick
+from live_server import new_tenant, running_server
+
+
+@dataclass
+class Item:
+    tenant: str | None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+def _queues(**backlogs: int) -> dict:
+    return {t: deque(Item(t) for _ in range(n)) for t, n in backlogs.items()}
+
+
+def test_a_tenant_alone_fills_all_but_the_reserve_and_a_newcomer_joins_at_once():
+    waiting = _queues(a=40)
+    first = pick(waiting, Counter(), room=16, max_batch=16)
+    assert len(first) == 14  # 2 of 16 stay free for whoever comes next
+    waiting["b"] = deque([Item("b")])
+    second = pick(waiting, Counter(a=14), room=2, max_batch=16)
+    assert [i.tenant for i in second] == ["b"]  # a is above its part: only b may take a reserved row
+
+
+def test_free_rows_go_to_the_least_served_tenant_first():
+    waiting = _queues(a=20, b=20, c=1)
+    picked = pick(waiting, Counter(a=9, b=3), room=4, max_batch=16)
+    # c first, then b; then a (9 rows) and b (4) hold their part (16 // 4) and the reserve of 2 stays free
+    assert [i.tenant for i in picked] == ["c", "b"]
+
+
+def test_small_batches_keep_no_reserve_and_a_batch_of_one_still_serves():
+    assert len(pick(_queues(a=10), Counter(), room=4, max_batch=4)) == 4
+    assert len(pick(_queues(a=10), Counter(), room=1, max_batch=1)) == 1
+    assert pick(_queues(a=10, b=1), Counter(a=1), room=0, max_batch=1) == []
+
+
+def test_a_full_queue_refuses_the_caller_holding_it_not_the_others():
+    queue = FairQueue(max_batch=4, max_queue=4)
+    for _ in range(4):
+        queue.put(Item("a"))
+    with pytest.raises(QueueFull, match="4 of them this caller's"):
+        queue.put(Item("a"))
+    queue.put(Item("b"))  # b holds nothing waiting: admitted beyond the bound
+    queue.put(Item(None))  # anonymous callers are one more tenant
+    with pytest.raises(QueueFull):
+        queue.put(Item("b"))  # b's part of 4 among three tenants is 1
+    assert queue.qsize() == 6
+
+
+def test_one_tenants_backlog_does_not_hold_up_another_tenants_short_request(tiny_lm):
+    """32 long requests of one tenant (as many as it may have in flight), then one short request of another:
+    the short one ends before any long one does. First come, first served made it wait for 16 long ones."""
+    engine = Engine(tiny_lm, max_batch_size=8)
+    try:
+        long = SamplingParams(max_new_tokens=48, temperature=1.0, seed=1, ignore_eos=True)
+        flood = [engine.submit(Pending("Question: Who is Ada?\nAnswer:", long, tenant="a")) for _ in range(32)]
+        time.sleep(0.2)  # the first rows are decoding
+        short = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+        victim = engine.submit(Pending("Question: Where?\nAnswer:", short, tenant="b"))
+        victim.future.result(timeout=120)
+        ended_before = sum(p.future.done() for p in flood)
+        for p in flood:
+            p.future.result(timeout=300)
+    finally:
+        engine.close()
+    assert ended_before == 0
+
+
+def test_anonymous_flood_gets_429_while_a_tenant_is_served(tiny_lm, tmp_path):
+    """Anonymous callers fill the queue (429 with Retry-After once they hold it); a tenant's requests meanwhile
+    are admitted and answered."""
+    with running_server(tiny_lm, tmp_path, max_queue=4, max_batch_size=2, quota_rows=64) as url:
+        tenant = new_tenant(url, "victim")
+        body = {"model": "base", "prompt": "Question: Who is Ada?\nAnswer:", "max_tokens": 64, "min_tokens": 64}
+        stop, codes = threading.Event(), Counter()
+
+        def flood():
+            while not stop.is_set():
+                r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+                codes[r.status_code] += 1
+                if r.status_code == 429:
+                    assert r.headers["retry-after"]
+                    time.sleep(0.05)
+
+        with ThreadPoolExecutor(12) as pool:
+            floods = [pool.submit(flood) for _ in range(12)]
+            time.sleep(1.0)
+            served = [tenant.post("/generate", json={"prompt": "Question: Where?\nAnswer:", "max_new_tokens": 4})
+                      for _ in range(3)]
+            stop.set()
+            for f in floods:
+                f.result()
+    assert [r.status_code for r in served] == [200, 200, 200], [r.text for r in served]
+    assert codes[429] > 0 and codes[200] > 0, codes
