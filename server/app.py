@@ -307,7 +307,8 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
         app.state.quotas = Quotas(store, settings)
         app.state.jobs = JobRunner(store, app.state.engine, app.state.metrics, app.state.heads,
                                    settings.job_stale_seconds, dispatch=dispatch_jobs,
-                                   budget=settings.max_job_seconds)
+                                   budget=settings.max_job_seconds, turn=settings.job_turn_seconds,
+                                   slots=settings.job_slots)
         try:
             yield
         finally:

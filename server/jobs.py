@@ -1,4 +1,9 @@
-"""Training jobs: queued in SQLite, run one at a time by a worker thread, taking turns across tenants.
+"""Training jobs: queued in SQLite, started fairly across tenants, computing one at a time in turns.
+
+The worker thread starts the queued job of the tenant served longest ago on a thread of its own, and a second
+one (`slots`) of another tenant while the first runs: the two take turns of `turn` seconds (`job_turns.Turns`),
+so a tenant's short job starts within a turn however long another tenant's job is. A job's time budget counts
+its own turns only.
 
 A job moves through queued -> running (phases: caching, fitting, evaluating, saving; for ASU:
 copying, distilling, saving) -> succeeded, failed or cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
@@ -30,6 +35,7 @@ from lethe.heads.t3.head import save_head
 from lethe.heads.io import crash_point
 from lethe.heads.t3.pipeline import quick_check, train_head
 from lethe.heads.t3.train import FitConfig
+from lethe.server.job_turns import Turns
 from lethe.server.storage import Store, new_id
 
 log = logging.getLogger("lethe.jobs")
@@ -56,10 +62,13 @@ class OwnModel:
 
 class JobRunner:
     def __init__(self, store: Store, engine, metrics=None, heads=None, stale: float = STALE,
-                 dispatch: Callable[[dict], str] | None = None, worker: bool = True, budget: float = 3600.0):
+                 dispatch: Callable[[dict], str] | None = None, worker: bool = True, budget: float = 3600.0,
+                 turn: float = 20.0, slots: int = 2):
         """`dispatch(job)`: run a claimed job elsewhere and return its final status (None: on this process's job
-        thread). `worker=False`: no queue and no thread, only `execute` (a job's own process). `budget`: seconds
-        a job may run before it is stopped and failed (LETHE_MAX_JOB_SECONDS)."""
+        threads). `worker=False`: no queue and no thread, only `execute` (a job's own process). `budget`: seconds
+        a job may run (its turns only) before it is stopped and failed (LETHE_MAX_JOB_SECONDS). `turn`: seconds a
+        job computes before a waiting one of another tenant takes over (LETHE_JOB_TURN_SECONDS); `slots`: jobs
+        started at once, of different tenants (LETHE_JOB_SLOTS)."""
         self.store, self.engine, self.metrics, self.heads = store, engine, metrics, heads
         self.stale = stale  # seconds without a heartbeat after which a running job's worker is taken for dead
         self.budget = budget
@@ -68,6 +77,9 @@ class JobRunner:
         self.queue: queue.Queue[str | None] = queue.Queue()
         self._cancel: dict[str, threading.Event] = {}
         self._last_start: dict[str, float] = {}  # tenant -> when its last job started (fair turns)
+        # a job dispatched elsewhere (a Ray task) waits for its own CPUs there: one at a time per replica, as before
+        self._turns, self.slots = Turns(turn), slots if dispatch is None else 1
+        self._running: dict[str, tuple[str, threading.Thread]] = {}  # job id -> (tenant, its thread), started here
         self._thread = threading.Thread(target=self._run, name="lethe-jobs", daemon=True)
         if worker:
             self._recover()
@@ -116,6 +128,8 @@ class JobRunner:
         if self._thread.is_alive():
             self.queue.put(None)
             self._thread.join(timeout=30)
+        for _, thread in list(self._running.values()):
+            thread.join(timeout=30)
 
     def _update(self, job_id: str, **fields) -> None:
         cols = ", ".join(f"{k} = ?" for k in fields)
@@ -125,10 +139,12 @@ class JobRunner:
         self._update(job_id, status=status, finished=time.time(), **fields)
 
     def _next(self) -> dict | None:
-        """The queued job to run next, fairly across tenants: the oldest job of the tenant whose last job
+        """The queued job to start next, fairly across tenants: the oldest job of the tenant whose last job
         started longest ago (a tenant never served first), so a tenant with many queued jobs takes turns with
-        the others instead of going first with all of them."""
-        queued = self.store.q("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created")
+        the others instead of going first with all of them; never a second job of a tenant whose job runs here."""
+        busy = {tenant for tenant, _ in list(self._running.values())}
+        queued = [j for j in self.store.q("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created")
+                  if j["tenant_id"] not in busy]
         if not queued:
             return None
         return dict(min(queued, key=lambda j: (self._last_start.get(j["tenant_id"], 0.0), j["created"])))
@@ -141,9 +157,8 @@ class JobRunner:
     def _beat(self, job_id: str, done: threading.Event, cancel: threading.Event) -> None:
         """While the job runs: its heartbeat, a cancel asked through another replica passed on to it, and its
         time budget (past it, the job is stopped as a cancel stops it, and failed)."""
-        deadline = time.monotonic() + self.budget
         while not done.wait(min(HEARTBEAT, self.stale / 4, self.budget)):
-            if time.monotonic() > deadline:
+            if self._turns.used(job_id) > self.budget:
                 self._over.add(job_id)
                 cancel.set()
             try:
@@ -169,17 +184,35 @@ class JobRunner:
                 continue
             if item is None:
                 return
+            try:
+                self._start_jobs()
+            except Exception:  # the database is away for a moment: the next wake-up or idle round tries again
+                log.warning("could not start queued jobs", exc_info=True)
+
+    def _start_jobs(self) -> None:
+        """Start queued jobs on threads of their own while slots are free (one per tenant at a time)."""
+        while len(self._running) < self.slots:
             started = time.time()
-            while True:  # one wake-up per submitted job; which job runs is chosen here, and claimed
+            while True:  # which job runs is chosen here, and claimed (another replica may claim it first)
                 job = self._next()
                 if job is None or self._claim(job["id"], started):
                     break
             if job is None:
-                continue
+                return
             self._last_start[job["tenant_id"]] = started
+            thread = threading.Thread(target=self._job_thread, args=(job, started), name=f"lethe-job-{job['id']}",
+                                      daemon=True)
+            self._running[job["id"]] = (job["tenant_id"], thread)
+            thread.start()
+
+    def _job_thread(self, job: dict, started: float) -> None:
+        try:
             status = self.execute(job) if self.dispatch is None else self._dispatched(job)
             if self.metrics:
                 self.metrics.job_seconds.labels(job["kind"], status).observe(time.time() - started)
+        finally:
+            self._running.pop(job["id"], None)
+            self.queue.put("")  # a slot is free: the worker starts the next queued job
 
     def execute(self, job: dict) -> str:
         """Run a claimed job to its end in this process, with its heartbeat; returns its final status."""
@@ -189,6 +222,7 @@ class JobRunner:
         threading.Thread(target=self._beat, args=(job_id, beating, cancel), name="lethe-job-heartbeat",
                          daemon=True).start()
         try:
+            self._turns.take(job_id)  # computes only in its turn
             {"asu": self._train_asu, "eval": self._evaluate}.get(job["kind"], self._train)(job, cancel)
             return "succeeded"
         except Cancelled:
@@ -204,6 +238,7 @@ class JobRunner:
             self._finish(job_id, "failed", error=self._public(f"{type(e).__name__}: {e}"))
             return "failed"
         finally:
+            self._turns.forget(job_id)
             beating.set()
             self._cancel.pop(job_id, None)
             self._over.discard(job_id)
@@ -235,6 +270,7 @@ class JobRunner:
             crash_point(f"job:{phase}")
             if cancel.is_set():
                 raise Cancelled()
+            self._turns.checkpoint(job_id)  # another tenant's job may take a turn here
             lo, hi = spans[phase]
             overall = lo + (hi - lo) * fraction
             if overall - last[0] >= 0.02 or fraction >= 1:
@@ -291,6 +327,7 @@ class JobRunner:
         def check() -> None:
             if cancel.is_set():
                 raise Cancelled()
+            self._turns.checkpoint(job_id)
 
         cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64),
                          format=params.get("format", "auto"), check=check)

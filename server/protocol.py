@@ -196,6 +196,10 @@ class JobOut(BaseModel):
     kind: str
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     phase: str | None
+    queue_position: int | None = Field(None, description="While queued: its place among this tenant's own queued "
+                                                         "jobs (1: the next of them to start). Jobs start fairly "
+                                                         "across tenants and take turns; other tenants' jobs are "
+                                                         "neither counted nor shown.")
     progress: float
     metrics: dict | None
     head: str | None = Field(None, description="The head a t3 job made, once it succeeded.")

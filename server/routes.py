@@ -128,8 +128,18 @@ def delete_dataset(dataset_id: str, request: Request, tenant_id: str = Depends(t
     return Response(status_code=204)
 
 
-def _job_out(job: dict) -> JobOut:
+def _queue_position(store, job: dict) -> int | None:
+    """A queued job's place among its tenant's own queued jobs (1: the next of them to start); other tenants' jobs
+    are neither counted nor shown, so no tenant reads another's activity from it."""
+    if job["status"] != "queued":
+        return None
+    return int(store.q("SELECT COUNT(*) FROM jobs WHERE tenant_id = ? AND status = 'queued' AND created <= ?",
+                       job["tenant_id"], job["created"])[0][0])
+
+
+def _job_out(job: dict, store) -> JobOut:
     return JobOut(id=job["id"], kind=job["kind"], status=job["status"], phase=job["phase"],
+                  queue_position=_queue_position(store, job),
                   progress=job["progress"] or 0.0, metrics=json.loads(job["metrics"]) if job["metrics"] else None,
                   head=job["result"] if job["kind"] == "t3" else None,
                   weights=job["result"] if job["kind"] == "asu" else None, error=job["error"], created=job["created"], started=job["started"],
@@ -162,7 +172,7 @@ def _submit(request: Request, tenant_id: str, kind: str, params: dict) -> JobOut
         if kind in ("t3", "asu"):
             quotas.stored(tenant_id, "heads" if kind == "t3" else "asu_weights", kind)
         job_id = request.app.state.jobs.submit(tenant_id, kind, params)
-    return _job_out(request.app.state.store.get("jobs", tenant_id, job_id))
+    return _job_out(request.app.state.store.get("jobs", tenant_id, job_id), request.app.state.store)
 
 
 @router.post("/v1/heads", response_model=JobOut, status_code=202, tags=["heads"])
@@ -355,14 +365,14 @@ def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)
 @router.get("/v1/jobs", response_model=list[JobOut], tags=["jobs"])
 def list_jobs(request: Request, tenant_id: str = Depends(tenant)):
     """The tenant's jobs, oldest first."""
-    return [_job_out(j) for j in request.app.state.store.list("jobs", tenant_id)]
+    return [_job_out(j, request.app.state.store) for j in request.app.state.store.list("jobs", tenant_id)]
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
 def get_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
     """A job: status, phase, progress 0-1, metrics, and the head or weights it made."""
     job = owned(request, "jobs", tenant_id, job_id, "job")
-    return _job_out(job)
+    return _job_out(job, request.app.state.store)
 
 
 @router.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
@@ -372,7 +382,7 @@ def cancel_job(job_id: str, request: Request, tenant_id: str = Depends(tenant)):
     owned(request, "jobs", tenant_id, job_id, "job")
     if not request.app.state.jobs.cancel(tenant_id, job_id):
         raise HTTPException(409, f"job {job_id!r} has already ended")
-    return _job_out(store.get("jobs", tenant_id, job_id))
+    return _job_out(store.get("jobs", tenant_id, job_id), store)
 
 
 @router.get("/v1/jobs/{job_id}/events", tags=["jobs"])
@@ -384,7 +394,7 @@ async def job_events(job_id: str, request: Request, tenant_id: str = Depends(ten
     async def events():
         last = None
         while True:
-            job = _job_out(store.get("jobs", tenant_id, job_id)).model_dump()
+            job = _job_out(store.get("jobs", tenant_id, job_id), store).model_dump()
             if job != last:
                 yield f"event: job\ndata: {json.dumps(job)}\n\n"
                 last = job

@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     max_job_seconds: float = Field(3600.0, gt=0, description="A job still running after this many seconds is stopped "
                                                            "and failed, saying so: no tenant holds the job worker "
                                                            "for hours.")
+    job_turn_seconds: float = Field(20.0, gt=0, description="A running job computes this long before a waiting job "
+                                                            "of another tenant takes a turn (jobs take turns, one "
+                                                            "computing at a time).")
+    job_slots: int = Field(2, gt=0, description="Jobs started at once, each of another tenant, taking turns "
+                                                "(each holds a copy of the model).")
     admin_key: str | None = Field(None, description="Bearer key for the admin endpoints (tenants, keys).")
     allow_anonymous: bool | None = Field(None, description="Requests without a key may generate from the base model "
                                                            "(default: only on the embedded demo model).")

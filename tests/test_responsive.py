@@ -130,6 +130,100 @@ def test_a_job_past_its_time_budget_is_stopped_and_failed_and_the_next_job_runs(
         assert started == jobs, "the second job ran once the first was stopped"
 
 
+def test_a_second_tenants_head_job_runs_in_turns_beside_a_long_asu_job(tiny_model_dir, tiny_records, tmp_path):
+    """An ASU job of 100,000 steps kept another tenant's head training queued until it ended (hours); now the two
+    take turns (LETHE_JOB_TURN_SECONDS), and the short job ends while the long one still runs. (The long job is a
+    stand-in that reports progress as ASU's steps do: the real one stops early on the tiny model.)"""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from lethe.server.app import create_app
+    from lethe.server.settings import Settings
+    from live_server import ADMIN_KEY
+
+    settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False,
+                        job_turn_seconds=1.0)
+    lines = "".join(json.dumps(r) + "\n" for r in tiny_records).encode()
+    with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
+        runner = client.app.state.jobs
+
+        def endless(job, cancel):  # 100,000 steps of 10 ms, each reporting its progress
+            progress = runner._progress(job["id"], cancel, {"copying": (0.0, 0.05), "distilling": (0.05, 0.95)})
+            progress("copying", 0.0)
+            for step in range(100_000):
+                time.sleep(0.01)
+                progress("distilling", (step + 1) / 100_000)
+
+        runner._train_asu = endless
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        keys = [client.post("/admin/tenants", json={"name": n}, headers=admin).json()["api_key"] for n in "ab"]
+        auth = [{"Authorization": f"Bearer {k}"} for k in keys]
+        sets = [[client.post("/v1/datasets", content=lines, headers=h).json()["id"] for _ in range(2)] for h in auth]
+        long = client.post("/v1/asu", json={"forget": sets[0][0], "retain": sets[0][1], "steps": 100_000},
+                           headers=auth[0]).json()["id"]
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/jobs/{long}", headers=auth[0]).json()["phase"] != "distilling":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        short = client.post("/v1/heads", json={"forget": sets[1][0], "retain": sets[1][1], "max_epochs": 5},
+                            headers=auth[1]).json()["id"]
+        submitted = time.monotonic()
+        while (done := client.get(f"/v1/jobs/{short}", headers=auth[1]).json())["status"] in ("queued", "running"):
+            assert time.monotonic() - submitted < 120, done
+            time.sleep(0.2)
+        took = time.monotonic() - submitted
+        print(f"the second tenant's head job ended {took:.1f} s after it was submitted")
+        running = client.get(f"/v1/jobs/{long}", headers=auth[0]).json()
+        client.post(f"/v1/jobs/{long}/cancel", headers=auth[0])
+    assert done["status"] == "succeeded", done
+    assert running["status"] == "running" and running["progress"] < 0.5, running
+    assert took < 60, took
+
+
+def test_a_tenant_sees_its_queued_jobs_places_among_its_own_jobs_only(tiny_model_dir, tmp_path):
+    """A queued job's `queue_position` counts its tenant's own queued jobs: another tenant's jobs, queued or
+    running, change nothing in it (a global place would tell a tenant about the others' activity)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from lethe.server.app import create_app
+    from lethe.server.settings import Settings
+    from live_server import ADMIN_KEY
+
+    settings = Settings(model=tiny_model_dir, data_dir=tmp_path, admin_key=ADMIN_KEY, demo_tenant=False)
+    release = threading.Event()
+
+    def held(job, cancel):  # a job that runs until the test lets it end
+        release.wait(60)
+
+    with TestClient(create_app(settings, load_model(tiny_model_dir))) as client:
+        client.app.state.jobs._train = held
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        auth = [{"Authorization": "Bearer " + client.post("/admin/tenants", json={"name": n}, headers=admin)
+                 .json()["api_key"]} for n in "ab"]
+        record = b'{"question": "q?", "answer": "a."}\n'
+        sets = [[client.post("/v1/datasets", content=record, headers=h).json()["id"] for _ in range(2)]
+                for h in auth]
+
+        def submit(t: int) -> str:
+            return client.post("/v1/heads", json={"forget": sets[t][0], "retain": sets[t][1]},
+                               headers=auth[t]).json()["id"]
+
+        mine = [submit(0) for _ in range(3)]
+        time.sleep(0.5)  # the first has started
+        theirs = [submit(1) for _ in range(3)]
+        time.sleep(0.5)
+        listed = {j["id"]: j for j in client.get("/v1/jobs", headers=auth[0]).json()}
+        one = client.get(f"/v1/jobs/{theirs[2]}", headers=auth[1]).json()
+        release.set()
+    assert [listed[j]["status"] for j in mine] == ["running", "queued", "queued"]
+    assert [listed[j]["queue_position"] for j in mine] == [None, 1, 2]
+    assert set(listed) == set(mine)  # the other tenant's jobs are not listed
+    assert one["status"] == "queued" and one["queue_position"] == 2  # its own first job runs in the second slot
+
+
 def test_the_demo_key_is_kept_in_a_file_only_its_owner_reads(tiny_model_dir, tmp_path, capsys):
     """Issue 25: the demo key scrolled away among the start's lines; now it is also in <data dir>/demo-key."""
     import stat
