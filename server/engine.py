@@ -56,14 +56,15 @@ class Pending:
 
 class Engine:
     def __init__(self, lm: LoadedModel, max_batch_size: int = 16, max_queue: int = 256, metrics=None,
-                 max_model_len: int | None = None, decoder=None):
+                 max_model_len: int | None = None, decoder=None, max_rows_per_caller: int | None = None):
         """`decoder`: what decodes instead of `lm.model` (a `heads.decoding.llamacpp.LlamaCppModel`); jobs and
-        the tokenizer still use `lm`."""
+        the tokenizer still use `lm`. `max_rows_per_caller`: rows one tenant may hold (default half the batch;
+        `scheduler`)."""
         self.lm, self.decoder = lm, decoder
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.metrics = metrics
-        self.queue = FairQueue(max_batch_size, max_queue)
+        self.queue = FairQueue(max_batch_size, max_queue, max_rows_per_caller)
         self.controls: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         # A fast tokenizer keeps its padding settings in the object and changes them on every call, so two
         # threads calling one tokenizer can pad each other's batches: the engine thread decodes with its own

@@ -19,7 +19,6 @@ Errors on these routes have OpenAI's shape, as vLLM's do: `{"error": {"message",
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
@@ -33,6 +32,7 @@ from lethe.heads.decoding.logprobs import TokenLogprob, token_bytes
 from lethe.heads.records import PROMPT_FORMAT
 from lethe.heads.decoding.sampling import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K,
                                            SamplingParams)
+from lethe.server.answer_json import dumps
 from lethe.server.auth import Caller, generating
 from lethe.server.generation import admit, check_policy, check_token_ids, complete, field_error, stream
 from lethe.server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
@@ -481,11 +481,9 @@ def _check_answer_size(request: Request, choices: int, tokens: int, alternatives
 
 
 async def _answer(build, headers: dict[str, str]) -> Response:
-    """The whole answer, built and encoded off the event loop (a large one takes seconds)."""
-    def encoded() -> bytes:
-        return json.dumps(build(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-    return Response(await run_in_threadpool(encoded), media_type="application/json", headers=headers)
+    """The whole answer, built and encoded off the event loop (a large one takes seconds), a slice at a time
+    (`answer_json.dumps`: one C call over megabytes would hold the GIL, and so the loop, throughout)."""
+    return Response(await run_in_threadpool(lambda: dumps(build())), media_type="application/json", headers=headers)
 
 
 def _model(name: str) -> dict:

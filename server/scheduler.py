@@ -4,11 +4,12 @@ Requests wait per tenant (anonymous callers together are one more tenant). When 
 holding the fewest rows in it goes first (ties: the one whose oldest request has waited longest), one row at a
 time, so a tenant with one request waits for about one free row, never behind another tenant's backlog.
 
-A tenant below its part of the batch (`max_batch // (tenants present + 1)`: room is always kept for one more)
-takes any free row; a tenant at or above it takes a free row only while `reserve` rows stay free. So a tenant
-alone fills the batch to `max_batch - reserve` rows, and a newcomer joins at the next step instead of waiting
-for a long answer to end. Rows are never taken back from a running batch: a tenant above its part simply gets
-no new row until it is below it again.
+No tenant holds more than its part of the batch: `max_batch // (tenants present + 1)` rows (room is always
+kept for one more tenant), and at most `per_caller` (LETHE_MAX_ROWS_PER_CALLER, default half the batch), so a
+newcomer joins at the next step instead of waiting for a long answer to end. Rows are never taken back from a running batch: a tenant above
+its part (others arrived) gets no new row until it is below it again. On CPU cores the decoding step's cost
+grows with the rows in it (SmolLM2-135M on 2 cores: 64 ms a step at 1 row, 165 ms at 9 rows of 200 tokens), so
+`per_caller` is where an operator trades one caller's throughput for the others' latency.
 
 The queue is bounded: once `max_queue` requests wait, a tenant already holding its part of the queue
 (`max_queue // tenants waiting`) is refused (`QueueFull`, 429 with Retry-After); a tenant with less still
@@ -32,37 +33,35 @@ class Waiting(Protocol):
     submitted: float
 
 
-def reserve_for(max_batch: int) -> int:
-    """Rows a tenant at or above its part of the batch leaves free for others: 2 of 16, 1 of 8, none below 8."""
-    return max_batch // 8
+def part_of(max_batch: int, present: int, per_caller: int | None = None) -> int:
+    """The rows one tenant may hold while `present` tenants have rows or requests: room is kept for one more,
+    and never more than `per_caller` (default half the batch)."""
+    cap = per_caller if per_caller is not None else max(1, max_batch // 2)
+    return max(1, min(cap, max_batch // (present + 1)))
 
 
-def pick(waiting: dict[str | None, deque], active: Counter, room: int, max_batch: int) -> list:
+def pick(waiting: dict[str | None, deque], active: Counter, room: int, max_batch: int,
+         per_caller: int | None = None) -> list:
     """Up to `room` requests from the heads of the per-tenant queues `waiting` (taken off them), given the rows
     each tenant has in the batch (`active`). Pure apart from popping what it picks."""
-    active, total, picked = Counter(active), sum(active.values()), []
-    limit = max_batch - reserve_for(max_batch)
+    active, picked = Counter(active), []
     while len(picked) < room:
         candidates = [t for t, q in waiting.items() if q]
-        if not candidates:
-            break
         present = len(set(candidates) | {t for t, n in active.items() if n > 0})
-        part = max(1, max_batch // (present + 1))
-        eligible = [t for t in candidates if active[t] < part or total + 1 <= limit]
+        eligible = [t for t in candidates if active[t] < part_of(max_batch, present, per_caller)]
         if not eligible:
             break
         tenant = min(eligible, key=lambda t: (active[t], waiting[t][0].submitted))
         picked.append(waiting[tenant].popleft())
         active[tenant] += 1
-        total += 1
     return picked
 
 
 class FairQueue:
     """The engine's queue of waiting requests, per tenant (see the module's docstring)."""
 
-    def __init__(self, max_batch: int, max_queue: int):
-        self.max_batch, self.maxsize = max_batch, max_queue
+    def __init__(self, max_batch: int, max_queue: int, per_caller: int | None = None):
+        self.max_batch, self.maxsize, self.per_caller = max_batch, max_queue, per_caller
         self._waiting: dict[str | None, deque] = {}
         self._cond = threading.Condition()
         self._woken = self._closed = False
@@ -103,7 +102,7 @@ class FairQueue:
                     return None
                 for tenant in [t for t, q in self._waiting.items() if not q]:
                     del self._waiting[tenant]  # tenants without waiting requests are not kept
-                picked = pick(self._waiting, Counter(active), room, self.max_batch)
+                picked = pick(self._waiting, Counter(active), room, self.max_batch, self.per_caller)
                 if picked or not block or self._woken:
                     self._woken = False
                     return picked

@@ -29,24 +29,24 @@ def _queues(**backlogs: int) -> dict:
     return {t: deque(Item(t) for _ in range(n)) for t, n in backlogs.items()}
 
 
-def test_a_tenant_alone_fills_all_but_the_reserve_and_a_newcomer_joins_at_once():
+def test_a_tenant_alone_holds_half_the_batch_and_a_newcomer_joins_at_once():
     waiting = _queues(a=40)
-    first = pick(waiting, Counter(), room=16, max_batch=16)
-    assert len(first) == 14  # 2 of 16 stay free for whoever comes next
+    assert len(pick(waiting, Counter(), room=16, max_batch=16)) == 8  # room is kept for whoever comes next
+    assert pick(waiting, Counter(a=8), room=8, max_batch=16) == []
     waiting["b"] = deque([Item("b")])
-    second = pick(waiting, Counter(a=14), room=2, max_batch=16)
-    assert [i.tenant for i in second] == ["b"]  # a is above its part: only b may take a reserved row
+    assert [i.tenant for i in pick(waiting, Counter(a=8), room=8, max_batch=16)] == ["b"]
+    assert len(pick(_queues(a=40), Counter(), room=16, max_batch=16, per_caller=4)) == 4  # the operator's cap
 
 
 def test_free_rows_go_to_the_least_served_tenant_first():
     waiting = _queues(a=20, b=20, c=1)
-    picked = pick(waiting, Counter(a=9, b=3), room=4, max_batch=16)
-    # c first, then b; then a (9 rows) and b (4) hold their part (16 // 4) and the reserve of 2 stays free
-    assert [i.tenant for i in picked] == ["c", "b"]
+    picked = pick(waiting, Counter(a=5, b=2), room=9, max_batch=16)
+    # c first, then b up to its part of 16 // (3 + 1); a already holds more than that and gets nothing
+    assert [i.tenant for i in picked] == ["c", "b", "b"]
 
 
-def test_small_batches_keep_no_reserve_and_a_batch_of_one_still_serves():
-    assert len(pick(_queues(a=10), Counter(), room=4, max_batch=4)) == 4
+def test_small_batches_still_serve_one_row_a_caller():
+    assert len(pick(_queues(a=10), Counter(), room=4, max_batch=4)) == 2
     assert len(pick(_queues(a=10), Counter(), room=1, max_batch=1)) == 1
     assert pick(_queues(a=10, b=1), Counter(a=1), room=0, max_batch=1) == []
 

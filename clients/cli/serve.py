@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--data-dir", type=Path, default=None, help="metadata, datasets and heads (default ./lethe-data)")
     p.add_argument("--max-batch-size", type=int, default=None, help="requests decoded together at most (default 16)")
+    p.add_argument("--max-rows-per-caller", type=int, default=None,
+                   help="rows of the batch one tenant (or the anonymous callers together) may hold (default half "
+                        "the batch)")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting at most; more answer 429 (256)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt plus new tokens at most (default: the model's context length)")
@@ -53,7 +56,8 @@ def cmd_serve(args) -> int:
     from lethe.server.settings import Settings, read_config
 
     flags = {"model": args.model, "host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
-             "data_dir": args.data_dir, "max_batch_size": args.max_batch_size, "max_queue": args.max_queue,
+             "data_dir": args.data_dir, "max_batch_size": args.max_batch_size,
+             "max_rows_per_caller": args.max_rows_per_caller, "max_queue": args.max_queue,
              "max_model_len": args.max_model_len, "served_model_name": args.served_model_name,
              "chat_template": args.chat_template, "database_url": args.database_url, "blob_url": args.blob_url,
              "engine": args.engine, "gguf": args.gguf}

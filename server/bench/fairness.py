@@ -78,6 +78,7 @@ class _Aggressor:
                      "temperature": 1.0}
         self.codes: Counter[str] = Counter()
         self.error: str | None = None
+        self.tokens = 0  # in the answers it got
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
 
@@ -86,6 +87,8 @@ class _Aggressor:
             while not self._stop.is_set():
                 r = c.post("/v1/completions", json=self.body)
                 self.codes[str(r.status_code)] += 1
+                if r.status_code == 200:
+                    self.tokens += r.json()["usage"]["completion_tokens"]
                 if r.status_code == 429:
                     self._stop.wait(float(r.headers.get("retry-after", "1")))
                 elif r.status_code != 200:  # the bench's own mistake: say so rather than measure a spin
@@ -93,6 +96,7 @@ class _Aggressor:
                     self._stop.set()
 
     def __enter__(self):
+        self.started = time.perf_counter()
         for t in self._threads:
             t.start()
         return self
@@ -101,6 +105,7 @@ class _Aggressor:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=900)
+        self.seconds = time.perf_counter() - self.started
 
 
 def bench_fairness(url: str, admin_key: str, *, rows: int, victim_requests: int = 40, victim_tokens: int = 8,
@@ -128,6 +133,7 @@ def bench_fairness(url: str, admin_key: str, *, rows: int, victim_requests: int 
             raise RuntimeError(f"the aggressor's request failed: {aggressor.error}")
         victim = _ms(times)
         result[phase] = {"victim": victim, "healthz": _ms(probe.times), "aggressor_answers": dict(aggressor.codes),
+                         "aggressor_tokens_per_s": round(aggressor.tokens / aggressor.seconds, 1),
                          "victim_p50_over_alone": round(victim["p50_ms"] / result["alone"]["victim"]["p50_ms"], 2),
                          "victim_p99_over_alone": round(victim["p99_ms"] / result["alone"]["victim"]["p50_ms"], 2)}
         log(f"{phase}: victim p50 {victim['p50_ms']} ms, p99 {victim['p99_ms']} ms")

@@ -61,6 +61,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--aggressor-tokens", type=int, default=256)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--quota-rows", type=int, default=32, help="requests one caller may have in flight (default 32)")
+    p.add_argument("--rows-per-caller", type=int, nargs="+", default=[0, 4],
+                   help="LETHE_MAX_ROWS_PER_CALLER values to run the bench with, one server each (0: the default, "
+                        "half the batch; default: 0 4)")
     p.add_argument("--port", type=int, default=None, help="port (default 8767)")
     p.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
     _offline_defaults(p, port=8767)
@@ -165,15 +168,21 @@ def cmd_bench_fairness(args) -> int:
     from lethe.server.bench.fairness import bench_fairness
     from lethe.server.bench.scale import plain_server
 
-    admin = secrets.token_urlsafe(16)
-    settings = {"LETHE_ALLOW_ANONYMOUS": "true", "LETHE_MAX_BATCH_SIZE": str(args.max_batch_size),
-                "LETHE_QUOTA_ROWS": str(args.quota_rows), "LETHE_DEVICE": args.device, "LETHE_DTYPE": args.dtype}
-    with tempfile.TemporaryDirectory() as data, \
-            plain_server(args.model, Path(data), None, admin, args.port, threads=2, env=settings) as url:
-        result = bench_fairness(url, admin, rows=args.quota_rows, victim_requests=args.victim_requests,
-                                victim_tokens=args.victim_tokens, aggressor_tokens=args.aggressor_tokens,
-                                log=lambda m: print(m, file=sys.stderr, flush=True))
-    result = {"model": shown_path(args.model), "max_batch_size": args.max_batch_size, **result}
+    runs = {}
+    for per_caller in args.rows_per_caller:  # one server each, one after the other
+        admin = secrets.token_urlsafe(16)
+        settings = {"LETHE_ALLOW_ANONYMOUS": "true", "LETHE_MAX_BATCH_SIZE": str(args.max_batch_size),
+                    "LETHE_QUOTA_ROWS": str(args.quota_rows), "LETHE_DEVICE": args.device, "LETHE_DTYPE": args.dtype}
+        if per_caller:
+            settings["LETHE_MAX_ROWS_PER_CALLER"] = str(per_caller)
+        name = f"rows_per_caller_{per_caller}" if per_caller else "rows_per_caller_default"
+        print(f"{name}:", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as data, \
+                plain_server(args.model, Path(data), None, admin, args.port, threads=2, env=settings) as url:
+            runs[name] = bench_fairness(url, admin, rows=args.quota_rows, victim_requests=args.victim_requests,
+                                        victim_tokens=args.victim_tokens, aggressor_tokens=args.aggressor_tokens,
+                                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = {"model": shown_path(args.model), "max_batch_size": args.max_batch_size, **runs}
     text = json.dumps(result, indent=1)
     if args.out:
         atomic_write_text(args.out, text + "\n")
