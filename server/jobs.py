@@ -92,11 +92,14 @@ class JobRunner:
 
     def fail_stale(self, after: float) -> int:
         """Mark failed the running jobs whose worker stopped: no heartbeat for `after` seconds (0: every running
-        job, for a process that is the only one to run them). Returns how many."""
+        job, for a process that is the only one to run them). Returns how many. Never a job started here whose
+        thread still runs it: a job dispatched to a process that died is failed by that thread, saying why."""
         now = time.time()
+        own = list(self._running)  # started here and still running: their threads say so
+        mine = f" AND id NOT IN ({', '.join('?' * len(own))})" if own else ""
         return self.store.tx([("UPDATE jobs SET status = 'failed', error = ?, finished = ? WHERE status = 'running' "
-                               "AND COALESCE(heartbeat, started, created) < ?",
-                               ("the server stopped while the job was running", now, now - after))])
+                               "AND COALESCE(heartbeat, started, created) < ?" + mine,
+                               ("the server stopped while the job was running", now, now - after, *own))])
 
     def submit(self, tenant_id: str, kind: str, params: dict) -> str:
         job_id = new_id("job")
