@@ -137,9 +137,12 @@ def _queue_position(store, job: dict) -> int | None:
                        job["tenant_id"], job["created"])[0][0])
 
 
-def _job_out(job: dict, store) -> JobOut:
+def _job_out(job: dict, store, queue_position: int | None = None) -> JobOut:
+    """`queue_position`: given where the caller already knows it (a whole list); else read for a queued job."""
+    if queue_position is None:
+        queue_position = _queue_position(store, job)
     return JobOut(id=job["id"], kind=job["kind"], status=job["status"], phase=job["phase"],
-                  queue_position=_queue_position(store, job),
+                  queue_position=queue_position,
                   progress=job["progress"] or 0.0, metrics=json.loads(job["metrics"]) if job["metrics"] else None,
                   head=job["result"] if job["kind"] == "t3" else None,
                   weights=job["result"] if job["kind"] == "asu" else None, error=job["error"], created=job["created"], started=job["started"],
@@ -365,7 +368,11 @@ def delete_head(head_id: str, request: Request, tenant_id: str = Depends(tenant)
 @router.get("/v1/jobs", response_model=list[JobOut], tags=["jobs"])
 def list_jobs(request: Request, tenant_id: str = Depends(tenant)):
     """The tenant's jobs, oldest first."""
-    return [_job_out(j, request.app.state.store) for j in request.app.state.store.list("jobs", tenant_id)]
+    store = request.app.state.store
+    jobs = store.list("jobs", tenant_id)
+    queued = [j["created"] for j in jobs if j["status"] == "queued"]  # the count `_queue_position` reads, from here
+    places = {j["id"]: sum(c <= j["created"] for c in queued) for j in jobs if j["status"] == "queued"}
+    return [_job_out(j, store, places.get(j["id"])) for j in jobs]
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut, tags=["jobs"])

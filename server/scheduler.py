@@ -5,9 +5,10 @@ holding the fewest rows in it goes first (ties: the one whose oldest request has
 time, so a tenant with one request waits for about one free row, never behind another tenant's backlog.
 
 No tenant holds more than its part of the batch: `max_batch // (tenants present + 1)` rows (room is always
-kept for one more tenant), and at most `per_caller` (LETHE_MAX_ROWS_PER_CALLER, default half the batch), so a
-newcomer joins at the next step instead of waiting for a long answer to end. Rows are never taken back from a running batch: a tenant above
-its part (others arrived) gets no new row until it is below it again. On CPU cores the decoding step's cost
+kept for one more tenant, so a tenant alone holds at most half), and at most `per_caller`
+(LETHE_MAX_ROWS_PER_CALLER), so a newcomer joins at the next step instead of waiting for a long answer to end.
+Rows are never taken back from a running batch: a tenant above its part (others arrived) gets no new row until
+it is below it again. On CPU cores the decoding step's cost
 grows with the rows in it (SmolLM2-135M on 2 cores: 64 ms a step at 1 row, 165 ms at 9 rows of 200 tokens), so
 `per_caller` is where an operator trades one caller's throughput for the others' latency.
 
@@ -34,10 +35,9 @@ class Waiting(Protocol):
 
 
 def part_of(max_batch: int, present: int, per_caller: int | None = None) -> int:
-    """The rows one tenant may hold while `present` tenants have rows or requests: room is kept for one more,
-    and never more than `per_caller` (default half the batch)."""
-    cap = per_caller if per_caller is not None else max(1, max_batch // 2)
-    return max(1, min(cap, max_batch // (present + 1)))
+    """The rows one tenant may hold while `present` (at least 1) tenants have rows or requests: room is kept for
+    one more (so at most half the batch), and never more than `per_caller`."""
+    return max(1, min(per_caller or max_batch, max_batch // (present + 1)))
 
 
 def pick(waiting: dict[str | None, deque], active: Counter, room: int, max_batch: int,

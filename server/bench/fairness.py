@@ -18,18 +18,15 @@ from collections.abc import Callable
 
 import httpx
 
+from lethe.server.bench.heads import _percentile
+
 VICTIM = "Question: What is the capital of France?\nAnswer:"
 AGGRESSOR = "Write a long story about a lighthouse keeper and the sea, with many characters.\n"
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def _ms(values: list[float]) -> dict:
     return {"n": len(values), "p50_ms": round(1000 * statistics.median(values), 1),
-            "p99_ms": round(1000 * _pct(values, 0.99), 1), "max_ms": round(1000 * max(values), 1)}
+            "p99_ms": round(1000 * _percentile(values, 0.99), 1), "max_ms": round(1000 * max(values), 1)}
 
 
 class _Probe:
@@ -89,9 +86,9 @@ class _Aggressor:
                 self.codes[str(r.status_code)] += 1
                 if r.status_code == 200:
                     self.tokens += r.json()["usage"]["completion_tokens"]
-                if r.status_code == 429:
+                elif r.status_code == 429:
                     self._stop.wait(float(r.headers.get("retry-after", "1")))
-                elif r.status_code != 200:  # the bench's own mistake: say so rather than measure a spin
+                else:  # the bench's own mistake: say so rather than measure a spin
                     self.error = self.error or r.text
                     self._stop.set()
 

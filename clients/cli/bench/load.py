@@ -51,8 +51,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_scale)
 
     p = bench.add_parser("fairness", help="a victim tenant's latency while another caller runs at its full allowance",
-                         description="A server of its own on --model (`lethe serve` in a process of its own): a victim tenant's short requests alone, then "
-                                     "beside an anonymous and a keyed aggressor each holding all the requests one "
+                         description="A server of its own on --model (`lethe serve` in a process of its own): a "
+                                     "victim tenant's short requests alone, then beside an anonymous and a keyed "
+                                     "aggressor each holding all the requests one "
                                      "caller may have in flight, then single heavy requests; /healthz probed "
                                      "throughout. Run it alone.")
     _add_model_args(p)
