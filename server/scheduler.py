@@ -4,13 +4,14 @@ Requests wait per tenant (anonymous callers together are one more tenant). When 
 holding the fewest rows in it goes first (ties: the one whose oldest request has waited longest), one row at a
 time, so a tenant with one request waits for about one free row, never behind another tenant's backlog.
 
-No tenant holds more than its part of the batch: `max_batch // (tenants present + 1)` rows (room is always
-kept for one more tenant, so a tenant alone holds at most half), and at most `per_caller`
-(LETHE_MAX_ROWS_PER_CALLER), so a newcomer joins at the next step instead of waiting for a long answer to end.
-Rows are never taken back from a running batch: a tenant above its part (others arrived) gets no new row until
-it is below it again. On CPU cores the decoding step's cost
-grows with the rows in it (SmolLM2-135M on 2 cores: 64 ms a step at 1 row, 165 ms at 9 rows of 200 tokens), so
-`per_caller` is where an operator trades one caller's throughput for the others' latency.
+A tenant gets rows up to its part of the batch, `max_batch // (tenants present + 1)` (room for one more tenant),
+before any tenant gets more. Rows nobody else is waiting for go to whoever wants them, so a tenant alone fills the
+batch, except for an eighth of it (`reserve`, 2 of 16 rows) kept free so a newcomer joins at the next step instead
+of waiting for a long answer to end. `per_caller` (LETHE_MAX_ROWS_PER_CALLER) caps any tenant's rows outright.
+Rows are never taken back from a running batch: a tenant above its part (others arrived) gets no new row until it
+is below it again or the others want none. On CPU cores the decoding step's cost grows with the rows in it
+(SmolLM2-135M on 2 cores: 76 ms a step at 1 row, 165 ms at 8, 189 ms at 16), so `per_caller` is where an operator
+trades one caller's throughput for the others' latency.
 
 The queue is bounded: once `max_queue` requests wait, a tenant already holding its part of the queue
 (`max_queue // tenants waiting`) is refused (`QueueFull`, 429 with Retry-After); a tenant with less still
@@ -35,9 +36,14 @@ class Waiting(Protocol):
 
 
 def part_of(max_batch: int, present: int, per_caller: int | None = None) -> int:
-    """The rows one tenant may hold while `present` (at least 1) tenants have rows or requests: room is kept for
-    one more (so at most half the batch), and never more than `per_caller`."""
+    """The rows one tenant may hold while `present` (at least 1) tenants have rows or requests, whoever else
+    waits: room is kept for one more tenant, and never more than `per_caller`."""
     return max(1, min(per_caller or max_batch, max_batch // (present + 1)))
+
+
+def reserve(max_batch: int) -> int:
+    """Rows kept free for a newcomer while a tenant takes rows beyond its part."""
+    return max_batch // 8
 
 
 def pick(waiting: dict[str | None, deque], active: Counter, room: int, max_batch: int,
@@ -48,7 +54,10 @@ def pick(waiting: dict[str | None, deque], active: Counter, room: int, max_batch
     while len(picked) < room:
         candidates = [t for t, q in waiting.items() if q]
         present = len(set(candidates) | {t for t, n in active.items() if n > 0})
-        eligible = [t for t in candidates if active[t] < part_of(max_batch, present, per_caller)]
+        part = part_of(max_batch, present, per_caller)
+        eligible = [t for t in candidates if active[t] < part]
+        if not eligible and room - len(picked) > reserve(max_batch):  # rows beyond a part: nobody below it waits
+            eligible = [t for t in candidates if active[t] < (per_caller or max_batch)]
         if not eligible:
             break
         tenant = min(eligible, key=lambda t: (active[t], waiting[t][0].submitted))

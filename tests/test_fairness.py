@@ -29,26 +29,35 @@ def _queues(**backlogs: int) -> dict:
     return {t: deque(Item(t) for _ in range(n)) for t, n in backlogs.items()}
 
 
-def test_a_tenant_alone_holds_half_the_batch_and_a_newcomer_joins_at_once():
+def test_a_tenant_alone_fills_the_batch_but_for_a_reserve_and_a_newcomer_joins_at_once():
     waiting = _queues(a=40)
-    assert len(pick(waiting, Counter(), room=16, max_batch=16)) == 8  # room is kept for whoever comes next
-    assert pick(waiting, Counter(a=8), room=8, max_batch=16) == []
-    waiting["b"] = deque([Item("b")])
-    assert [i.tenant for i in pick(waiting, Counter(a=8), room=8, max_batch=16)] == ["b"]
+    assert len(pick(waiting, Counter(), room=16, max_batch=16)) == 14  # 2 rows are kept for whoever comes next
+    assert pick(waiting, Counter(a=14), room=2, max_batch=16) == []
+    waiting["b"] = deque([Item("b"), Item("b")])
+    # b is below its part (16 // 3): it takes the kept rows; a, far above its part, gets none of them
+    assert [i.tenant for i in pick(waiting, Counter(a=14), room=2, max_batch=16)] == ["b", "b"]
+    # rows a frees go to b while b is below its part, even with a's older requests waiting
+    waiting["b"].extend(Item("b") for _ in range(5))
+    assert [i.tenant for i in pick(waiting, Counter(a=10, b=2), room=4, max_batch=16)] == ["b", "b", "b"]
     assert len(pick(_queues(a=40), Counter(), room=16, max_batch=16, per_caller=4)) == 4  # the operator's cap
 
 
 def test_free_rows_go_to_the_least_served_tenant_first():
     waiting = _queues(a=20, b=20, c=1)
-    picked = pick(waiting, Counter(a=5, b=2), room=9, max_batch=16)
-    # c first, then b up to its part of 16 // (3 + 1); a already holds more than that and gets nothing
+    picked = pick(waiting, Counter(a=5, b=2), room=5, max_batch=16)
+    # c first, then b up to its part of 16 // (3 + 1); a already holds more than that and gets nothing, and the
+    # 2 rows left are kept free
     assert [i.tenant for i in picked] == ["c", "b", "b"]
+    # with more room, rows beyond the parts go least served first, the 2 kept rows aside
+    picked = pick(_queues(a=20, b=20, c=1), Counter(a=5, b=2), room=9, max_batch=16)
+    assert [i.tenant for i in picked] == ["c", "b", "b", "b", "a", "b", "a"]
 
 
-def test_small_batches_still_serve_one_row_a_caller():
-    assert len(pick(_queues(a=10), Counter(), room=4, max_batch=4)) == 2
+def test_small_batches_keep_no_reserve_and_still_serve_one_row_a_caller():
+    assert len(pick(_queues(a=10), Counter(), room=4, max_batch=4)) == 4
     assert len(pick(_queues(a=10), Counter(), room=1, max_batch=1)) == 1
     assert pick(_queues(a=10, b=1), Counter(a=1), room=0, max_batch=1) == []
+    assert [i.tenant for i in pick(_queues(a=10, b=1), Counter(a=3), room=1, max_batch=4)] == ["b"]
 
 
 def test_a_full_queue_refuses_the_caller_holding_it_not_the_others():

@@ -26,7 +26,10 @@ def _rss(client: httpx.Client) -> float | None:
 
 
 def soak(url: str, key: str | None = None, clients: int = 16, duration: float = 10.0, max_new_tokens: int = 32,
-         leavers: int = 2, slow_readers: int = 1) -> dict:
+         leavers: int = 2, slow_readers: int = 1, slow_reader_key: str | None = None) -> dict:
+    """`clients` callers asking for `max_new_tokens` in a loop for `duration` seconds with `key` (anonymous:
+    None), beside `leavers` that leave streams after one event and `slow_readers` that read one event a second
+    (with `slow_reader_key`, as a tenant of their own)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     stop = time.monotonic() + duration
     latencies: list[float] = []
@@ -61,11 +64,17 @@ def soak(url: str, key: str | None = None, clients: int = 16, duration: float = 
                     time.sleep(float(r.headers.get("retry-after", "1")) / 10)
 
     def leaver():  # opens a stream, reads one event, goes away
-        nonlocal left
+        nonlocal left, retry_after_missing
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
             while time.monotonic() < stop:
                 try:
                     with c.stream("POST", "/generate", json=body | {"stream": True, "max_new_tokens": 200}) as r:
+                        if r.status_code != 200:
+                            with lock:
+                                errors[str(r.status_code)] += 1
+                                retry_after_missing += r.status_code == 429 and "retry-after" not in r.headers
+                            time.sleep(0.1)
+                            continue
                         for line in r.iter_lines():
                             if line.startswith("data: "):
                                 break
@@ -78,7 +87,8 @@ def soak(url: str, key: str | None = None, clients: int = 16, duration: float = 
 
     def slow_reader():  # reads a long stream one event per second (retrying while the queue is full)
         nonlocal slow_events
-        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+        own = {"Authorization": f"Bearer {slow_reader_key}"} if slow_reader_key else headers
+        with httpx.Client(base_url=url, headers=own, timeout=60) as c:
             while time.monotonic() < stop:
                 try:
                     with c.stream("POST", "/generate", json=body | {"stream": True, "max_new_tokens": 200}) as r:
