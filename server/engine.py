@@ -58,8 +58,8 @@ class Engine:
     def __init__(self, lm: LoadedModel, max_batch_size: int = 16, max_queue: int = 256, metrics=None,
                  max_model_len: int | None = None, decoder=None, max_rows_per_caller: int | None = None):
         """`decoder`: what decodes instead of `lm.model` (a `heads.decoding.llamacpp.LlamaCppModel`); jobs and
-        the tokenizer still use `lm`. `max_rows_per_caller`: rows one tenant may hold at most (default: no cap
-        beyond `scheduler`'s fair part)."""
+        the tokenizer still use `lm`. `max_rows_per_caller`: rows one tenant may hold at most (default half the
+        batch; `scheduler`)."""
         self.lm, self.decoder = lm, decoder
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size

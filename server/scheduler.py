@@ -5,13 +5,15 @@ holding the fewest rows in it goes first (ties: the one whose oldest request has
 time, so a tenant with one request waits for about one free row, never behind another tenant's backlog.
 
 A tenant gets rows up to its part of the batch, `max_batch // (tenants present + 1)` (room for one more tenant),
-before any tenant gets more. Rows nobody else is waiting for go to whoever wants them, so a tenant alone fills the
-batch, except for an eighth of it (`reserve`, 2 of 16 rows) kept free so a newcomer joins at the next step instead
-of waiting for a long answer to end. `per_caller` (LETHE_MAX_ROWS_PER_CALLER) caps any tenant's rows outright.
-Rows are never taken back from a running batch: a tenant above its part (others arrived) gets no new row until it
-is below it again or the others want none. On CPU cores the decoding step's cost grows with the rows in it
-(SmolLM2-135M on 2 cores: 76 ms a step at 1 row, 165 ms at 8, 189 ms at 16), so `per_caller` is where an operator
-trades one caller's throughput for the others' latency.
+before any tenant gets more. Rows nobody else is waiting for go to whoever wants them, up to `per_caller`
+(LETHE_MAX_ROWS_PER_CALLER, default half the batch) and leaving an eighth of the batch (`reserve`, 2 of 16 rows)
+free, so a newcomer joins at the next step instead of waiting for a long answer to end. Rows are never taken back
+from a running batch: a tenant above its part (others arrived) gets no new row until it is below it again or the
+others want none. On CPU cores the decoding step's cost grows with the rows in it (SmolLM2-135M on 2 cores: 76 ms
+a step at 1 row, 165 ms at 8, 189 ms at 16; the demo's 5.8 ms at 1, 13.2 ms at 9), so `per_caller` is where an
+operator trades one caller's throughput for the others' latency: the whole batch lets a tenant alone fill it (but
+for the reserve), and a short request beside it then took 2.9-5.3x its time alone on the demo, against 2.3-2.6x at
+the default (`lethe bench fairness`).
 
 The queue is bounded: once `max_queue` requests wait, a tenant already holding its part of the queue
 (`max_queue // tenants waiting`) is refused (`QueueFull`, 429 with Retry-After); a tenant with less still
@@ -70,7 +72,8 @@ class FairQueue:
     """The engine's queue of waiting requests, per tenant (see the module's docstring)."""
 
     def __init__(self, max_batch: int, max_queue: int, per_caller: int | None = None):
-        self.max_batch, self.maxsize, self.per_caller = max_batch, max_queue, per_caller
+        self.max_batch, self.maxsize = max_batch, max_queue
+        self.per_caller = per_caller or max(1, max_batch // 2)
         self._waiting: dict[str | None, deque] = {}
         self._cond = threading.Condition()
         self._woken = self._closed = False

@@ -22,10 +22,9 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(512, gt=0, description="Largest max_new_tokens a request may ask for.")
     max_batch_size: int = Field(16, gt=0, description="Requests decoded together at most.")
     max_rows_per_caller: int | None = Field(None, gt=0, description="Rows of the batch one tenant (or the anonymous "
-                                                                    "callers together) may hold at once (default: no cap "
-                                                                    "beyond its fair part while others wait): fewer "
-                                                                    "keep others' latency lower, at the cost of one "
-                                                                    "caller's throughput.")
+                                                                    "callers together) may hold at once (default half the "
+                                                                    "batch): fewer keep others' latency lower, more "
+                                                                    "(up to the batch) one caller's throughput.")
     max_queue: int = Field(256, gt=0, description="Requests waiting at most; more answer 429.")
     data_dir: Path = Field(Path("lethe-data"), description="SQLite metadata, datasets and heads.")
     database_url: str | None = Field(None, description="Metadata database: SQLite in the data directory by default; "

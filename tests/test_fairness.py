@@ -42,6 +42,16 @@ def test_a_tenant_alone_fills_the_batch_but_for_a_reserve_and_a_newcomer_joins_a
     assert len(pick(_queues(a=40), Counter(), room=16, max_batch=16, per_caller=4)) == 4  # the operator's cap
 
 
+def test_the_queue_gives_a_lone_tenant_half_the_batch_unless_the_operator_allows_more():
+    for per_caller, rows in ((None, 8), (12, 12), (16, 14)):
+        queue = FairQueue(max_batch=16, max_queue=64, per_caller=per_caller)
+        for _ in range(40):
+            queue.put(Item("a"))
+        assert len(queue.take(block=False, room=16, active=[])) == rows
+        queue.put(Item("b"))
+        assert [i.tenant for i in queue.take(block=False, room=16 - rows, active=["a"] * rows)][:1] == ["b"]
+
+
 def test_free_rows_go_to_the_least_served_tenant_first():
     waiting = _queues(a=20, b=20, c=1)
     picked = pick(waiting, Counter(a=5, b=2), room=5, max_batch=16)

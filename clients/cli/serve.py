@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="metadata, datasets and heads (default ./lethe-data)")
     p.add_argument("--max-batch-size", type=int, default=None, help="requests decoded together at most (default 16)")
     p.add_argument("--max-rows-per-caller", type=int, default=None,
-                   help="rows of the batch one tenant (or the anonymous callers together) may hold (default: no cap "
-                        "beyond its fair part while others wait)")
+                   help="rows of the batch one tenant (or the anonymous callers together) may hold (default half "
+                        "the batch; up to the batch lets a lone caller fill it, but for an eighth kept free)")
     p.add_argument("--max-queue", type=int, default=None, help="requests waiting at most; more answer 429 (256)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt plus new tokens at most (default: the model's context length)")
