@@ -38,6 +38,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_asu_train, remote=remote.asu_train)
     _modes(p, offline=["model", "device", "dtype", "out"], server=["wait"])
     _add_resource_commands(asu, "asu", "ASU weights")
+    t = asu.add_parser("teacher", help="which attention temperature, in which layers, lowers the forget answers' "
+                                       "facts more than their other tokens (offline)")
+    _add_model_args(t)
+    t.add_argument("--forget", required=True, type=Path, help="JSON Lines file of question/answer records (a "
+                   "record's `fact` names its content tokens; otherwise words outside common function words)")
+    t.add_argument("--taus", type=float, nargs="+", default=None, help="candidate temperatures (default "
+                   "1.5 2 2.5 3 4 8)")
+    t.add_argument("--layers", nargs="+", default=None, help="candidate layer sets, e.g. all 0-9 (default: all "
+                   "and each third)")
+    t.add_argument("--limit", type=int, default=40, help="records teacher-forced (default 40)")
+    t.add_argument("--min-drop", type=float, default=1.0, help="least drop (nats) on content tokens a pick "
+                   "needs (default 1.0)")
+    _add_format_arg(t)
+    t.add_argument("--out", type=Path, help="also write the report here (JSON)")
+    t.set_defaults(func=cmd_asu_teacher)
 
 
 def cmd_asu_train(args) -> int:
@@ -54,4 +69,23 @@ def cmd_asu_train(args) -> int:
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size,
                       "share_of_base": round(args.out.stat().st_size / max(1, base_bytes), 4), "steps": info.steps,
                       **{k: v for k, v in info.metrics.items() if k != "forget_kl_history"}}))
+    return 0
+
+
+def cmd_asu_teacher(args) -> int:
+    """One JSON line per candidate setting (tau, layers, content and other drops, their ratio), then the pick."""
+    from lethe.heads.asu.teacher import TAUS, diagnose, report
+    from lethe.heads.modelio import load_model
+    from lethe.heads.records import read_jsonl
+
+    forget = read_jsonl(args.forget)
+    lm = load_model(args.model, args.device, args.dtype)
+    result = report(diagnose(lm, forget, args.taus or TAUS, args.layers, args.limit, args.format), args.min_drop)
+    for setting in result["settings"]:
+        print(json.dumps(setting))
+    print(json.dumps({"pick": result["pick"], "min_drop": args.min_drop}))
+    if args.out is not None:
+        from lethe.heads.io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0

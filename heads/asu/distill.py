@@ -167,18 +167,18 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
 
         def forget_kl(idx: list[int]) -> torch.Tensor:
             ids, mask, spans = _batch(tok, [fx[i] for i in idx], device)
-            student, _ = _answer_logits(peft_model, ids, mask, spans)
+            logits, _ = _answer_logits(peft_model, ids, mask, spans)
             t = torch.cat([teacher[i] for i in idx]).float()
-            return F.kl_div(torch.log_softmax(student, -1), t, log_target=True, reduction="batchmean")
+            return F.kl_div(torch.log_softmax(logits, -1), t, log_target=True, reduction="batchmean")
 
         def retain_term(idx: list[int]) -> torch.Tensor:
             ids, mask, spans = _batch(tok, [rx[i] for i in idx], device)
-            student, target = _answer_logits(peft_model, ids, mask, spans)
+            logits, target = _answer_logits(peft_model, ids, mask, spans)
             if cfg.retain_loss == "gd":
-                return F.cross_entropy(student, target)
+                return F.cross_entropy(logits, target)
             with torch.no_grad(), student.original():
                 original, _ = _answer_logits(peft_model, ids, mask, spans)
-            return F.kl_div(torch.log_softmax(student, -1), torch.log_softmax(original, -1), log_target=True,
+            return F.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(original, -1), log_target=True,
                             reduction="batchmean")
 
         def full_forget_kl() -> float:

@@ -1,0 +1,129 @@
+"""ASU's teacher diagnostic: which attention temperature, in which layers, makes facts fade and grammar stay.
+
+ASU's premise (the paper's): flattening attention lowers the probability of tokens that need sharp attention to
+be recalled (facts) far more than that of function words. Whether that holds, and where, depends on the model: on
+SmolLM2-135M, tau 2.5 in layers 0-9 lowers the author's name 5.5x more than the rest of the answer, while tau 16
+in every layer (the old default) makes the teacher itself answer with dashes (../shared/REFERENCE.md).
+
+`diagnose` teacher-forces each forget record's answer through the base model and through the tempered teacher
+for each candidate (tau, layers), and reports the mean drop in log-probability on the answer's *content* tokens
+(the record's `fact` where it names one; otherwise its words outside a short list of function words) against its
+other tokens. `pick` chooses the setting with the highest ratio among those that lower content tokens by at least
+`min_drop` nats: a teacher that barely moves the facts teaches nothing, one that moves everything teaches noise.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
+from lethe.heads.records import Example, encode_example, qa_example, resolve_format
+
+TAUS = (1.5, 2.0, 2.5, 3.0, 4.0, 8.0)
+FUNCTION_WORDS = frozenset("""a an the of in on at to for from by with and or but is are was were be been being
+has have had do does did it its this that these those he she they his her their him them i you we my your our as
+not no so than then there here which who whom whose what when where why how also into about over after before
+""".split())
+
+
+@dataclass
+class Setting:
+    tau: float
+    layers: str  # "0-9", or "all"
+    content_drop: float = 0.0  # mean drop in log-probability (nats) on content tokens
+    other_drop: float = 0.0  # ... on the answer's other tokens
+    ratio: float = 0.0  # content_drop / other_drop (other_drop floored at 0.01)
+
+
+def layer_groups(num_layers: int) -> list[str]:
+    """Every layer, and the first, middle and last third."""
+    third = num_layers // 3
+    if third == 0:
+        return ["all"]
+    return ["all", f"0-{third - 1}", f"{third}-{2 * third - 1}", f"{2 * third}-{num_layers - 1}"]
+
+
+def token_roles(tokenizer, ex: Example, answer: str, fact: str | None) -> list[str | None]:
+    """Per token of the example's completion (tokenized as `encode_example` does): "content", "other", or None
+    for tokens outside the answer's own text (the template's end of turn)."""
+    enc = tokenizer(ex.completion, add_special_tokens=False, return_offsets_mapping=True)
+    start = ex.completion.find(answer)
+    if fact and fact in answer:
+        at = start + answer.index(fact)
+        spans = [(at, at + len(fact))]
+    else:
+        spans = [(start + m.start(), start + m.end()) for m in re.finditer(r"\w+", answer)
+                 if m.group().lower() not in FUNCTION_WORDS]
+    roles = []
+    for a, b in enc["offset_mapping"]:
+        if not (b > start and a < start + len(answer)):
+            roles.append(None)
+        else:
+            roles.append("content" if any(a < e and b > s for s, e in spans) else "other")
+    return roles
+
+
+def _token_logprobs(model, tokenizer, exs: list[Example], device, batch: int = 16) -> list[torch.Tensor]:
+    """Per example, the log-probability of each completion token given everything before it."""
+    out = []
+    for i in range(0, len(exs), batch):
+        enc = [encode_example(tokenizer, e) for e in exs[i:i + batch]]
+        width = max(len(ids) for ids, _ in enc)
+        ids = torch.full((len(enc), width), tokenizer.pad_token_id or 0)
+        mask = torch.zeros((len(enc), width), dtype=torch.long)
+        for r, (seq, _) in enumerate(enc):
+            ids[r, :len(seq)], mask[r, :len(seq)] = torch.tensor(seq), 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        for r, (seq, n_prompt) in enumerate(enc):
+            out.append(lp[r, n_prompt - 1:len(seq) - 1].cpu())
+    return out
+
+
+def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None, limit: int | None = 40,
+             fmt: str = "auto") -> list[Setting]:
+    """The drops of every candidate (tau, layers) on up to `limit` question/answer records of `forget`."""
+    model, tok = lm.model, lm.tokenizer
+    qa = [r for r in forget if "question" in r and "answer" in r][:limit]
+    if not qa:
+        raise ValueError("forget: the diagnostic needs question/answer records")
+    fmt = resolve_format(tok, fmt)
+    exs = [qa_example(r["question"], r["answer"], fmt, tok) for r in qa]
+    roles = [token_roles(tok, ex, r["answer"].strip(), r.get("fact")) for ex, r in zip(exs, qa)]
+    use_tempered_attention(model)
+    base = _token_logprobs(model, tok, exs, lm.device)
+    groups = groups or layer_groups(model.config.num_hidden_layers)
+    results = []
+    for layers in groups:
+        chosen = parse_layers(layers, model.config.num_hidden_layers)
+        for tau in taus:
+            with tempered(model, tau, chosen):
+                teacher = _token_logprobs(model, tok, exs, lm.device)
+            drops = {"content": [], "other": []}
+            for b, t, row in zip(base, teacher, roles):  # (encode_example's EOS, past the roles, is left out)
+                for role, drop in zip(row, (b - t).tolist()):
+                    if role is not None:
+                        drops[role].append(drop)
+            content, other = drops["content"], drops["other"]
+            c = statistics.fmean(content) if content else 0.0
+            o = statistics.fmean(other) if other else 0.0
+            results.append(Setting(tau, layers, round(c, 3), round(o, 3), round(c / max(o, 0.01), 2)))
+    return results
+
+
+def pick(settings: list[Setting], min_drop: float = 1.0) -> Setting | None:
+    """The setting with the highest content/other ratio among those lowering content by `min_drop` nats."""
+    strong = [s for s in settings if s.content_drop >= min_drop]
+    return max(strong, key=lambda s: (s.ratio, -s.tau)) if strong else None
+
+
+def report(settings: list[Setting], min_drop: float = 1.0) -> dict:
+    chosen = pick(settings, min_drop)
+    return {"settings": [asdict(s) for s in settings], "min_drop": min_drop,
+            "pick": asdict(chosen) if chosen else None}

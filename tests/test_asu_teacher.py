@@ -1,0 +1,61 @@
+"""ASU's teacher diagnostic (`heads/asu/teacher.py`, `lethe asu teacher`) and the KL retain loss."""
+
+import json
+
+from lethe.clients.cli import main
+from lethe.heads.asu.distill import ASUConfig, train_asu
+from lethe.heads.asu.teacher import Setting, diagnose, pick, token_roles
+from lethe.heads.demo.corpus import split_by_author
+from lethe.heads.records import Example, qa_example
+
+
+def test_a_records_fact_is_its_content_and_the_end_of_turn_is_left_out(tiny_lm):
+    tok = tiny_lm.tokenizer
+    ex = qa_example("Where was Ada born?", "Ada was born in Paris.", "qa", tok)
+    ids = tok(ex.completion, add_special_tokens=False)["input_ids"]
+    roles = token_roles(tok, ex, "Ada was born in Paris.", "Paris")
+    assert len(roles) == len(ids) and None not in roles
+    content = tok.decode([i for i, r in zip(ids, roles) if r == "content"]).strip()
+    assert content == "Paris"
+    assert "born" in tok.decode([i for i, r in zip(ids, roles) if r == "other"])
+    # without a fact: the words outside the function words
+    words = token_roles(tok, ex, "Ada was born in Paris.", None)
+    pieces = [tok.decode([i]).strip() for i, r in zip(ids, words) if r == "content"]
+    assert "".join(pieces) == "AdabornParis" and "was" not in pieces and "in" not in pieces
+    # text after the answer (a template's end of turn) has no role
+    tail = Example(ex.prompt, ex.completion + " <end>")
+    assert token_roles(tok, tail, "Ada was born in Paris.", "Paris")[-1] is None
+
+
+def test_tau_one_changes_nothing_and_a_hot_teacher_lowers_the_answer(tiny_lm, tiny_records):
+    forget, _ = split_by_author(tiny_records, 1)
+    settings = diagnose(tiny_lm, forget, taus=(1.0, 16.0), groups=["all", "0-0"], limit=8)
+    assert [(s.tau, s.layers) for s in settings] == [(1.0, "all"), (16.0, "all"), (1.0, "0-0"), (16.0, "0-0")]
+    identity = [s for s in settings if s.tau == 1.0]
+    assert all(abs(s.content_drop) < 1e-3 and abs(s.other_drop) < 1e-3 for s in identity)
+    hot = next(s for s in settings if s.tau == 16.0 and s.layers == "all")
+    assert hot.content_drop > 0.1, hot
+
+
+def test_the_pick_is_the_most_selective_setting_that_moves_facts_enough():
+    settings = [Setting(2.0, "all", 2.8, 1.4, 2.0), Setting(2.5, "0-9", 2.6, 0.5, 5.5),
+                Setting(1.25, "all", 0.13, 0.01, 13.0)]  # the most selective, but it barely moves the facts
+    assert (pick(settings).tau, pick(settings).layers) == (2.5, "0-9")
+    assert pick(settings, min_drop=3.0) is None
+
+
+def test_cli_asu_teacher_prints_each_setting_and_the_pick(tiny_model_dir, sets, tmp_path, capsys):
+    out = tmp_path / "teacher.json"
+    assert main(["asu", "teacher", "--model", str(tiny_model_dir), "--forget", str(sets[0] / "forget.jsonl"), "--taus", "2", "16",
+                 "--layers", "all", "--limit", "6", "--min-drop", "0", "--out", str(out)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(d["tau"], d["layers"]) for d in lines[:-1]] == [(2.0, "all"), (16.0, "all")]
+    assert lines[-1]["pick"] is not None and json.loads(out.read_text())["pick"] == lines[-1]["pick"]
+
+
+def test_kl_retain_loss_trains(tiny_lm, tiny_records):
+    """The KL retain loss (to the original model) runs: it used to fail on its first step."""
+    forget, retain = split_by_author(tiny_records, 1)
+    tensors, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=4, check_every=2,
+                                                                  retain_loss="kl"), progress=False)
+    assert tensors and info.training["retain_loss"] == "kl" and info.steps >= 2
