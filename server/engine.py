@@ -85,11 +85,19 @@ class Engine:
             int(getattr(self.lm.model.config, "max_position_embeddings", 2048))
         return own if self.max_model_len is None else min(own, self.max_model_len)
 
-    def count_tokens(self, text: str | list[int]) -> int:
-        if not isinstance(text, str):
-            return len(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. A fast tokenizer's own `encode_batch` runs without the interpreter's lock, and
+        only the ids become a Python list: the tokenizer's `__call__` also builds attention masks and a
+        BatchEncoding while holding it (for a 1 MB prompt, long enough to stall the event loop)."""
+        backend = getattr(self.lm.tokenizer, "_tokenizer", None)
         with self.tokenizer_lock:
-            return len(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if backend is None or backend.truncation is not None or backend.padding is not None:
+                # (a call with truncation or padding left them set: the tokenizer's own call resets them)
+                return self.lm.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def count_tokens(self, text: str | list[int]) -> int:
+        return len(text) if not isinstance(text, str) else len(self.encode(text))
 
     def detokenize(self, ids: list[int]) -> str:
         with self.tokenizer_lock:

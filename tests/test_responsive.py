@@ -240,3 +240,24 @@ def test_the_demo_key_is_kept_in_a_file_only_its_owner_reads(tiny_model_dir, tmp
         assert key.startswith("lk_") and key in printed and str(saved) in printed
         assert stat.S_IMODE(saved.stat().st_mode) == 0o600
         assert c.get("/v1/profiles", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_the_engines_token_ids_are_the_tokenizers_own(tiny_lm):
+    """The engine encodes with the fast tokenizer's backend (off the interpreter's lock): the same ids as the
+    tokenizer's call, with and without special tokens, and after a call that left truncation set."""
+    from lethe.server.engine import Engine
+
+    engine = Engine(tiny_lm, max_batch_size=2)
+    try:
+        tok = tiny_lm.tokenizer
+        texts = ["Question: Who is Ada?\nAnswer:", "  two  spaces\n\n\ttab", "émigré — ünïcode ✓ 日本",
+                 (tok.eos_token or "") + " after the end", "x" * 5000]
+        for text in texts:
+            for special in (False, True):
+                assert engine.encode(text, special) == tok(text, add_special_tokens=special)["input_ids"], text
+        with engine.tokenizer_lock:
+            tok(texts[-1], truncation=True, max_length=8)  # leaves the backend truncating
+        assert engine.encode(texts[-1]) == tok(texts[-1])["input_ids"] and len(engine.encode(texts[-1])) > 8
+        assert engine.count_tokens(texts[0]) == len(tok(texts[0], add_special_tokens=False)["input_ids"])
+    finally:
+        engine.close()
