@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lethe.clients.cli import main
 from lethe.heads.asu.distill import ASUConfig, train_asu
 from lethe.heads.asu.teacher import Setting, diagnose, pick, token_roles
@@ -34,7 +36,10 @@ def test_tau_one_changes_nothing_and_a_hot_teacher_lowers_the_answer(tiny_lm, ti
     identity = [s for s in settings if s.tau == 1.0]
     assert all(abs(s.content_drop) < 1e-3 and abs(s.other_drop) < 1e-3 for s in identity)
     hot = next(s for s in settings if s.tau == 16.0 and s.layers == "all")
-    assert hot.content_drop > 0.1, hot
+    assert hot.content_drop > 0.1 and 0 < hot.records <= 8, hot
+    # only facts the model knows are measured: none is certain, so none is left
+    with pytest.raises(ValueError, match="none of these facts"):
+        diagnose(tiny_lm, forget, taus=(2.0,), groups=["all"], limit=8, known_logprob=0.0)
 
 
 def test_the_pick_is_the_most_selective_setting_that_moves_facts_enough():

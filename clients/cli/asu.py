@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "1.5 2 2.5 3 4 8)")
     t.add_argument("--layers", nargs="+", default=None, help="candidate layer sets, e.g. all 0-9 (default: all "
                    "and each third)")
-    t.add_argument("--limit", type=int, default=40, help="records teacher-forced (default 40)")
+    t.add_argument("--limit", type=int, default=64, help="records read (default 64); of those, the facts the "
+                   "model knows (mean probability >= 0.5 on their content tokens) are measured")
     t.add_argument("--min-drop", type=float, default=1.0, help="least drop (nats) on content tokens a pick "
                    "needs (default 1.0)")
     _add_format_arg(t)

@@ -14,6 +14,7 @@ other tokens. `pick` chooses the setting with the highest ratio among those that
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ class Setting:
     content_drop: float = 0.0  # mean drop in log-probability (nats) on content tokens
     other_drop: float = 0.0  # ... on the answer's other tokens
     ratio: float = 0.0  # content_drop / other_drop (other_drop floored at 0.01)
+    records: int = 0  # the known facts measured
 
 
 def layer_groups(num_layers: int) -> list[str]:
@@ -86,18 +88,57 @@ def _token_logprobs(model, tokenizer, exs: list[Example], device, batch: int = 1
     return out
 
 
-def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None, limit: int | None = 40,
-             fmt: str = "auto") -> list[Setting]:
-    """The drops of every candidate (tau, layers) on up to `limit` question/answer records of `forget`."""
+def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[dict]:
+    """Records naming a `fact` get the model's own greedy answer instead of theirs, and are dropped where that
+    answer lacks the fact: a forget set's sentence is often not how the model says it ("... written by
+    Shakespeare." where it says "William Shakespeare"), and the fact's tokens after someone else's words are
+    unlikely to begin with. Records without a fact are kept as they are."""
+    from lethe.heads.decoding.decode import generate_chunked
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.records import ask
+
+    named = [r for r in records if isinstance(r.get("fact"), str) and r["fact"].strip()]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in named], params)
+    answers = {id(r): c.text.strip() for r, c in zip(named, said)}
+    out = []
+    for r in records:
+        if id(r) not in answers:
+            out.append(r)
+        elif r["fact"].lower() in answers[id(r)].lower() and answers[id(r)]:
+            text = answers[id(r)]
+            at = text.lower().index(r["fact"].lower())
+            out.append(r | {"answer": text, "fact": text[at:at + len(r["fact"])]})
+    return out
+
+
+def _knows(base: torch.Tensor, roles: list[str | None], known_logprob: float) -> bool:
+    content = [lp for lp, role in zip(base.tolist(), roles) if role == "content"]
+    return bool(content) and statistics.fmean(content) >= known_logprob
+
+
+def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None, limit: int | None = 64,
+             fmt: str = "auto", known_logprob: float = math.log(0.3)) -> list[Setting]:
+    """The drops of every candidate (tau, layers) along the facts the model knows among the first `limit`
+    question/answer records of `forget` (`own_answers`), whose content tokens the base model gives a mean
+    log-probability of at least `known_logprob`; each setting's `records` says how many."""
     model, tok = lm.model, lm.tokenizer
     qa = [r for r in forget if "question" in r and "answer" in r][:limit]
     if not qa:
         raise ValueError("forget: the diagnostic needs question/answer records")
     fmt = resolve_format(tok, fmt)
+    qa = own_answers(lm, qa, fmt)
     exs = [qa_example(r["question"], r["answer"], fmt, tok) for r in qa]
     roles = [token_roles(tok, ex, r["answer"].strip(), r.get("fact")) for ex, r in zip(exs, qa)]
     use_tempered_attention(model)
     base = _token_logprobs(model, tok, exs, lm.device)
+    # only facts the model knows: flattening a fact it does not know raises the gold's low probability, which
+    # says nothing about forgetting (on SmolLM2's authors, unknown ones gave negative drops)
+    known = [i for i, (b, row) in enumerate(zip(base, roles)) if _knows(b, row, known_logprob)]
+    if not known:
+        raise ValueError("forget: the model gives none of these facts a probability above "
+                         f"{math.exp(known_logprob):.2f} on its content tokens")
+    exs, base, roles = [exs[i] for i in known], [base[i] for i in known], [roles[i] for i in known]
     groups = groups or layer_groups(model.config.num_hidden_layers)
     results = []
     for layers in groups:
@@ -113,7 +154,7 @@ def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None,
             content, other = drops["content"], drops["other"]
             c = statistics.fmean(content) if content else 0.0
             o = statistics.fmean(other) if other else 0.0
-            results.append(Setting(tau, layers, round(c, 3), round(o, 3), round(c / max(o, 0.01), 2)))
+            results.append(Setting(tau, layers, round(c, 3), round(o, 3), round(c / max(o, 0.01), 2), len(exs)))
     return results
 
 

@@ -43,6 +43,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--asu-tau", type=float, help="also train ASU at this tau on the same sets and report it alone "
                                                  "and with the head (variants asu, asu+head)")
     p.add_argument("--asu-steps", type=int, default=300, help="ASU training steps (default 300)")
+    p.add_argument("--asu-layers", default=None, help="layers ASU's teacher tempers, e.g. 0-9 (default: all; "
+                                                      "`lethe asu teacher` suggests them)")
+    p.add_argument("--asu-retain-loss", choices=["gd", "kl"], default="gd")
+    p.add_argument("--asu-retain-weight", type=float, default=1.0)
     _add_engine_args(p)
     p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_real)
@@ -112,7 +116,8 @@ def cmd_bench_real(args) -> int:
     cfg = RealBenchConfig(forget=args.forget, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
                           top_p=args.top_p, seeds=tuple(args.seeds), limit=args.limit,
                           fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant),
-                          asu_tau=args.asu_tau, asu_steps=args.asu_steps)
+                          asu_tau=args.asu_tau, asu_steps=args.asu_steps, asu_layers=args.asu_layers,
+                          asu_retain_loss=args.asu_retain_loss, asu_retain_weight=args.asu_retain_weight)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
