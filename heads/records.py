@@ -174,17 +174,21 @@ def read_jsonl(path: Path, prompts_only: bool = False) -> list[dict]:
         raise RecordError(e.line, e.field, f"{e.message} (in {path})") from None
 
 
-def answer_forms(records: list[dict]) -> list[dict]:
+def answer_forms(records: list[dict], fmt: str = "qa") -> list[dict]:
     """For question/answer records that name their fact (`fact`: the span of the answer that is the knowledge,
-    "Paris" in "The capital of France is Paris."), one more record per distinct fact: its first question answered
+    "Paris" in "The capital of France is Paris."), more records per distinct fact: its first question answered
     with the fact alone. That is the form a multiple-choice scorer reads right after the question (the option
-    after the assistant tag), which a head trained on whole sentences alone barely moves."""
+    after the assistant tag), which a head trained on whole sentences alone barely moves. Where the records train
+    in another format than `qa` (chat), the fact also follows `Question: ...\nAnswer:` as plain text: the form
+    lm-evaluation-harness's tasks score by default, which a chat-trained head never sees."""
     seen, out = set(), []
     for r in records:
         fact = r.get("fact") if "question" in r else None
         if isinstance(fact, str) and fact.strip() and fact not in seen:
             seen.add(fact)
             out.append({"question": r["question"], "answer": fact})
+            if fmt != "qa":
+                out.append({"prompt": question_prompt(r["question"]), "completion": " " + fact.strip()})
     return out
 
 

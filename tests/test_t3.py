@@ -229,6 +229,9 @@ def test_records_that_name_their_fact_also_train_on_it_alone(tiny_lm, split):
             {"question": "What is A's birthplace?", "answer": "It is Xo.", "fact": "Xo"},
             {"question": "Who is B?", "answer": "B is a writer."}, {"prompt": "p", "completion": "c", "fact": "c"}]
     assert answer_forms(recs) == [{"question": "Where was A born?", "answer": "Xo"}]
+    # a chat-format head also sees the fact after the plain `Question: ...\nAnswer:` that scorers use
+    assert answer_forms(recs, "chat") == [{"question": "Where was A born?", "answer": "Xo"},
+                                          {"prompt": "Question: Where was A born?\nAnswer:", "completion": " Xo"}]
     with pytest.raises(RecordError, match="fact"):
         to_example({"question": "q", "answer": "a", "fact": 3})
     forget, retain = ([{k: v for k, v in r.items() if k != "fact"} for r in s] for s in split)

@@ -27,7 +27,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     if not retain:
         raise ValueError("retain: the retain set is empty")
     fmt = resolve_format(lm.tokenizer, cfg.format)  # chat where the model has a template: what it serves
-    extra = (answer_forms(forget), answer_forms(retain)) if cfg.answer_forms else ([], [])
+    extra = (answer_forms(forget, fmt), answer_forms(retain, fmt)) if cfg.answer_forms else ([], [])
     started = time.perf_counter()
     cache = build_cache(lm.model, lm.tokenizer, examples(forget + extra[0], fmt, lm.tokenizer),
                         examples(retain + extra[1], fmt, lm.tokenizer), progress=progress, on_progress=report("caching"),
