@@ -128,3 +128,21 @@ def test_anonymous_flood_gets_429_while_a_tenant_is_served(tiny_lm, tmp_path):
                 f.result()
     assert [r.status_code for r in served] == [200, 200, 200], [r.text for r in served]
     assert codes[429] > 0 and codes[200] > 0, codes
+
+
+def test_the_fairness_bench_reports_each_phase_with_healthz_probed_from_its_own_process(tiny_lm, tmp_path):
+    """A short `lethe bench fairness` run: every phase has victim latencies and /healthz readings (taken by a probe
+    process of its own), the aggressors got answers, and the bars are reported."""
+    from lethe.server.bench.fairness import bench_fairness
+    from live_server import ADMIN_KEY
+
+    with running_server(tiny_lm, tmp_path, quota_rows=4, max_batch_size=4) as url:
+        result = bench_fairness(url, ADMIN_KEY, rows=4, victim_requests=3, victim_tokens=2, aggressor_tokens=16,
+                                warm_up=0.5)
+    for phase in ("alone", "anonymous_aggressor", "keyed_aggressor"):
+        assert result[phase]["victim"]["n"] == 3 and result[phase]["healthz"]["n"] >= 1, result[phase]
+    assert result["anonymous_aggressor"]["aggressor_answers"] and result["keyed_aggressor"]["aggressor_answers"]
+    heavy = result["heavy_single_requests"]
+    assert heavy["tokenize_1mb"]["status"] == 200  # (the echo's 16 long prompts exceed the tiny model's context)
+    assert all(h["healthz"]["n"] >= 1 for h in heavy.values()), heavy
+    assert set(result["bars"]) == {"victim p50 <= 2x alone", "victim p99 <= 3x alone", "/healthz p99 <= 50 ms"}

@@ -29,29 +29,44 @@ def _ms(values: list[float]) -> dict:
             "p99_ms": round(1000 * _percentile(values, 0.99), 1), "max_ms": round(1000 * max(values), 1)}
 
 
+_PROBE = """
+import sys, threading, time
+import httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+times = []
+with httpx.Client(base_url=sys.argv[1], timeout=30) as c:
+    while not stop.is_set():
+        started = time.perf_counter()
+        c.get("/healthz").raise_for_status()
+        times.append(time.perf_counter() - started)
+        if len(times) == 1:
+            print("ready", flush=True)
+        stop.wait(float(sys.argv[2]))
+print(" ".join(map(repr, times)), flush=True)
+"""
+
+
 class _Probe:
-    """Reads /healthz every `every` seconds on a thread of its own until stopped."""
+    """Reads /healthz every `every` seconds until stopped, from a process of its own: a thread of the bench's
+    process would count the bench's own work (encoding a 1 MB request, decoding its answer) as the server's."""
 
     def __init__(self, url: str, every: float = 0.02):
         self.url, self.every, self.times = url, every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as c:
-            while not self._stop.is_set():
-                started = time.perf_counter()
-                c.get("/healthz").raise_for_status()
-                self.times.append(time.perf_counter() - started)
-                self._stop.wait(self.every)
 
     def __enter__(self):
-        self._thread.start()
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen([sys.executable, "-c", _PROBE, self.url, str(self.every)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the /healthz probe of {self.url} did not start")
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=60)
+        out, _ = self._proc.communicate("", timeout=60)
+        self.times = [float(v) for v in out.split()]
 
 
 def _victim(url: str, key: str, requests: int, new_tokens: int) -> list[float]:
