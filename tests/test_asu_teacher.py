@@ -64,3 +64,20 @@ def test_kl_retain_loss_trains(tiny_lm, tiny_records):
     tensors, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=4, check_every=2,
                                                                   retain_loss="kl"), progress=False)
     assert tensors and info.training["retain_loss"] == "kl" and info.steps >= 2
+
+
+def test_asu_can_distil_along_the_models_own_answers(tiny_lm, tiny_records):
+    """With own_answers, records naming their fact are distilled along the model's own greedy answer where it
+    states the fact, and left out where it does not; a forget set whose facts the model never states is refused."""
+    from lethe.heads.asu.teacher import own_answers
+
+    forget, retain = split_by_author(tiny_records, 1)
+    assert all("fact" in r for r in forget)
+    kept = own_answers(tiny_lm, forget, "qa")
+    assert kept and all(r["fact"].lower() in r["answer"].lower() for r in kept)
+    tensors, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, check_every=1, own_answers=True),
+                              progress=False)
+    assert tensors and info.training["own_answers"] is True
+    unknown = [r | {"fact": "Zzyzxquorble"} for r in forget]
+    with pytest.raises(ValueError, match="none of the forget set's facts"):
+        train_asu(tiny_lm, unknown, retain, ASUConfig(tau=4.0, steps=2, own_answers=True), progress=False)

@@ -43,6 +43,9 @@ class ASUConfig:
     patience: int = 4  # checks without a 1% fall of the forget KL before stopping
     seed: int = 0
     format: str = "auto"  # how question/answer records become text: heads.records.resolve_format
+    # distil along the model's own greedy answers where they state the record's `fact` (heads.asu.teacher's
+    # own_answers), instead of the record's sentence, whose fact tokens the model may not expect at all
+    own_answers: bool = False
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -143,6 +146,12 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
     use_tempered_attention(model)
     fmt = resolve_format(tok, cfg.format)
+    if cfg.own_answers:
+        from lethe.heads.asu.teacher import own_answers
+
+        forget = own_answers(lm, forget, fmt)
+        if not forget:
+            raise ValueError("forget: the model's own answers state none of the forget set's facts")
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.
     teacher = []
