@@ -28,14 +28,14 @@ def _parts(value, out: list[str]) -> None:
             out.append(("," if i else "") + _encode(str(key)) + ":")
             _parts(item, out)
         out.append("}")
-    elif isinstance(value, list) and (len(value) > FLAT_SLICE or _nested(value)):
+    elif isinstance(value, list) and ((nested := _nested(value)) or len(value) > FLAT_SLICE):
         out.append("[")
-        step = SLICE if _nested(value) else FLAT_SLICE
+        step = SLICE if nested else FLAT_SLICE
         for start in range(0, len(value), step):
             piece = value[start:start + step]
             if start:
                 out.append(",")
-            if any(_nested(v) for v in piece):
+            if nested and any(_nested(v) for v in piece):
                 for i, item in enumerate(piece):
                     if i:
                         out.append(",")

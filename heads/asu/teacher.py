@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
-from lethe.heads.records import Example, encode_example, qa_example, resolve_format
+from lethe.heads.records import Example, qa_example, resolve_format
 
 TAUS = (1.5, 2.0, 2.5, 3.0, 4.0, 8.0)
 FUNCTION_WORDS = frozenset("""a an the of in on at to for from by with and or but is are was were be been being
@@ -70,21 +70,17 @@ def token_roles(tokenizer, ex: Example, answer: str, fact: str | None) -> list[s
 
 
 def _token_logprobs(model, tokenizer, exs: list[Example], device, batch: int = 16) -> list[torch.Tensor]:
-    """Per example, the log-probability of each completion token given everything before it."""
+    """Per example, the log-probability of each completion token given everything before it (the positions and
+    batches ASU's own distillation reads, `heads.asu.distill`)."""
+    from lethe.heads.asu.distill import _answer_logits, _batch
+
     out = []
     for i in range(0, len(exs), batch):
-        enc = [encode_example(tokenizer, e) for e in exs[i:i + batch]]
-        width = max(len(ids) for ids, _ in enc)
-        ids = torch.full((len(enc), width), tokenizer.pad_token_id or 0)
-        mask = torch.zeros((len(enc), width), dtype=torch.long)
-        for r, (seq, _) in enumerate(enc):
-            ids[r, :len(seq)], mask[r, :len(seq)] = torch.tensor(seq), 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask, spans = _batch(tokenizer, exs[i:i + batch], device)
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        for r, (seq, n_prompt) in enumerate(enc):
-            out.append(lp[r, n_prompt - 1:len(seq) - 1].cpu())
+            logits, target = _answer_logits(model, ids, mask, spans)
+        lp = torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0].cpu()
+        out += list(lp.split([b - a for a, b in spans]))
     return out
 
 
@@ -105,9 +101,8 @@ def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> 
     for r in records:
         if id(r) not in answers:
             out.append(r)
-        elif r["fact"].lower() in answers[id(r)].lower() and answers[id(r)]:
+        elif (at := answers[id(r)].lower().find(r["fact"].lower())) >= 0:
             text = answers[id(r)]
-            at = text.lower().index(r["fact"].lower())
             out.append(r | {"answer": text, "fact": text[at:at + len(r["fact"])]})
     return out
 
