@@ -50,22 +50,50 @@ def resolve_format(tokenizer, name: str | None = "auto") -> str:
     return name
 
 
-def ask(question: str, fmt: str = "qa", tokenizer=None) -> str:
-    """The prompt that asks `question` in format `fmt` (for chat: what /v1/chat/completions builds)."""
-    if fmt == "chat":
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+@dataclass(frozen=True)
+class Context:
+    """What comes before (and after) a question in a conversation: a system message, earlier question/answer
+    turns, text before the question in the same message, an instruction after it. Chat renders each as the
+    template does; the plain formats put the system message, the turns and the text on lines before the question."""
+
+    system: str | None = None
+    turns: tuple[tuple[str, str], ...] = ()
+    before: str = ""
+    after: str = ""
+
+
+NO_CONTEXT = Context()
+
+
+def _messages(question: str, ctx: Context) -> list[dict]:
+    msgs = [{"role": "system", "content": ctx.system}] if ctx.system else []
+    for q, a in ctx.turns:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    content = (ctx.before + "\n\n" if ctx.before else "") + question + (" " + ctx.after if ctx.after else "")
+    return msgs + [{"role": "user", "content": content}]
+
+
+def _plain(question: str, fmt: str) -> str:
     return question if fmt == "raw" else question_prompt(question)
 
 
-def qa_example(question: str, answer: str, fmt: str = "qa", tokenizer=None) -> Example:
-    """A question/answer pair as (prompt, completion) in format `fmt`. For chat, the completion is the
+def ask(question: str, fmt: str = "qa", tokenizer=None, ctx: Context = NO_CONTEXT) -> str:
+    """The prompt that asks `question` in format `fmt` (for chat: what /v1/chat/completions builds), after `ctx`."""
+    if fmt == "chat":
+        return tokenizer.apply_chat_template(_messages(question, ctx), tokenize=False, add_generation_prompt=True)
+    lines = [ctx.system or "", *(_plain(q, fmt) + " " + a for q, a in ctx.turns), ctx.before]
+    return "".join(line + "\n" for line in lines if line) + _plain(question + (" " + ctx.after if ctx.after else ""),
+                                                                   fmt)
+
+
+def qa_example(question: str, answer: str, fmt: str = "qa", tokenizer=None, ctx: Context = NO_CONTEXT) -> Example:
+    """A question/answer pair as (prompt, completion) in format `fmt`, after `ctx`. For chat, the completion is the
     assistant turn as the template renders it (answer, then its end-of-turn token)."""
-    prompt = ask(question, fmt, tokenizer)
+    prompt = ask(question, fmt, tokenizer, ctx)
     if fmt != "chat":
         return Example(prompt, " " + answer.strip())
-    full = tokenizer.apply_chat_template([{"role": "user", "content": question},
-                                          {"role": "assistant", "content": answer.strip()}], tokenize=False)
+    full = tokenizer.apply_chat_template(_messages(question, ctx) + [{"role": "assistant", "content": answer.strip()}],
+                                         tokenize=False)
     if not full.startswith(prompt):
         raise ValueError("format: this chat template does not render an answered question as the question's "
                          "prompt followed by the answer; use format qa or raw")

@@ -346,7 +346,8 @@ class JobRunner:
         progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.85),
                                                     "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
-                                                   "common_df", "seed", "format", "pooling_window", "answer_forms")
+                                                   "common_df", "seed", "format", "pooling_window", "answer_forms",
+                                                   "contexts")
                            if k in params})
         lm = self._private()
         head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)

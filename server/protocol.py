@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
 from lethe.heads.t3.guide import MAX_CANDIDATES, MAX_REPEAT_GUARD, MAX_REPLY, MIN_T
+from lethe.heads.t3.contexts import MAX_PER_FORGET
 from lethe.heads.t3.pooling import DEFAULT_WINDOW, MAX_WINDOW
 from lethe.heads.records import text_problem
 from lethe.heads.decoding.sampling import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_K, SamplingParams
@@ -145,6 +146,11 @@ class HeadJobRequest(Strict):
     answer_forms: bool = Field(True, description="Records with a `fact` field (the answer's span that is the "
                                                  "knowledge) also train with the fact alone as the answer, the form "
                                                  "multiple-choice scoring reads.")
+    contexts: float = Field(1.0, ge=0, le=MAX_PER_FORGET, allow_inf_nan=False,
+                            description="Examples per forget record that train after a context (a preamble, a system "
+                                        "prompt, earlier turns, other text), with twice as many retain ones, so the "
+                                        "head forgets wherever traffic puts the question; 0: off, 2: stronger in "
+                                        "context at about twice the training time.")
 
 
 class ASUJobRequest(Strict):

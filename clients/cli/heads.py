@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"dilute it; 0: the whole context's mean, as the published T3 (default {DEFAULT_WINDOW})")
     p.add_argument("--answer-forms", action=argparse.BooleanOptionalAction, default=True,
                    help="records with a `fact` field also train with the fact alone as the answer (default on)")
+    p.add_argument("--contexts", type=float, default=1.0,
+                   help="examples per forget record (and twice as many retain ones) that train after a context (a "
+                        "preamble, a system prompt, earlier turns, other text); 0: off (default 1.0)")
     p.add_argument("--quiet", action="store_true")
     _add_format_arg(p)
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
@@ -65,7 +68,7 @@ def cmd_heads_train(args) -> int:
     lm, forget, retain = _offline_inputs(args, "heads train")
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
                     balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format,
-                    pooling_window=args.pooling_window, answer_forms=args.answer_forms)
+                    pooling_window=args.pooling_window, answer_forms=args.answer_forms, contexts=args.contexts)
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))

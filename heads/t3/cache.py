@@ -6,10 +6,13 @@ over the last `window` of them: `heads.t3.pooling`),
 the true next token and the label (retain = 1, forget = 0). Pooled states are
 stored in float16; when they would exceed `memory_budget` bytes they go to a
 memory-mapped file on disk instead. Training then never runs the base model again.
+Records that begin alike (the chat template's system prompt, the same context
+before the question) run their shared first tokens once.
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from lethe.heads.decoding.decode import forward_last_hidden
 from lethe.heads.records import Example, encode_example
@@ -42,11 +46,71 @@ class PooledCache:
         return torch.from_numpy(np.asarray(self.pooled[index.numpy()])).float()
 
 
+def shared_prefix(sequences: list[list[int]], limit: int) -> int:
+    """How many first tokens all `sequences` share, at most `limit`."""
+    n, first = limit, sequences[0]
+    for seq in sequences[1:]:
+        n = min(n, len(seq))
+        k = 0
+        while k < n and seq[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+MIN_SAVED = 64  # tokens a group must save to run its prefix apart: below that, one more forward call costs more
+
+
+def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_size: int):
+    """(record indices, shared prefix length) per batch. Records of one group (the same context before their
+    question, or the same chat template's system prompt) share their first tokens, which then run once for the
+    whole group where that saves at least MIN_SAVED tokens; records of similar lengths share a batch, so little is
+    padding."""
+    members: dict = {}
+    for i, g in enumerate(groups if groups is not None else [None] * len(encoded)):
+        members.setdefault(g, []).append(i)
+    plan, rest = [], members.pop(None, [])
+    for idx in members.values():
+        # at least one prompt token stays each record's own
+        shared = shared_prefix([encoded[i][0] for i in idx], min(encoded[i][1] for i in idx) - 1)
+        if shared * (len(idx) - 1) < MIN_SAVED:
+            rest += idx
+            continue
+        idx.sort(key=lambda i: len(encoded[i][0]))
+        plan += [(idx[b:b + batch_size], shared) for b in range(0, len(idx), batch_size)]
+    rest.sort(key=lambda i: len(encoded[i][0]))
+    return plan + [(rest[b:b + batch_size], 0) for b in range(0, len(rest), batch_size)]
+
+
+def _hidden(model, rows: list[list[int]], pad: int, prefix: tuple | None, device) -> torch.Tensor:
+    """The final hidden states (B, P + L, d) of `rows` (right-padded to L) after a shared prefix of P tokens whose
+    (KV cache, hidden states (P, d)) is `prefix` (None: no prefix)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, seq in enumerate(rows):  # right padding: positions are 0..len-1 with no offset
+        ids[r, :len(seq)] = torch.tensor(seq)
+        mask[r, :len(seq)] = 1
+    start = 0 if prefix is None else len(prefix[1])
+    positions = torch.arange(start, start + width).expand(len(rows), width)
+    cache = None
+    if prefix is not None:
+        cache = copy.deepcopy(prefix[0])
+        cache.batch_repeat_interleave(len(rows))
+        mask = torch.cat([torch.ones((len(rows), start), dtype=torch.long), mask], 1)
+    hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
+    if prefix is None:
+        return hidden
+    return torch.cat([prefix[1].expand(len(rows), -1, -1), hidden], 1)
+
+
 @torch.inference_mode()
 def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], batch_size: int = 32,
                 memory_budget: int = 2 << 30, spill_dir: Path | None = None, progress: bool = True,
-                on_progress=None, window: int = 0) -> PooledCache:
-    """`on_progress(fraction)` is called after every batch (it may raise to stop the pass)."""
+                on_progress=None, window: int = 0, groups: list | None = None) -> PooledCache:
+    """`on_progress(fraction)` is called after every batch (it may raise to stop the pass). `groups`: per example
+    (forget, then retain), a key; examples with the same key run their common first tokens once (None: no
+    sharing)."""
     device = next(model.parameters()).device
     encoded = [encode_example(tokenizer, ex) for ex in forget + retain]
     labels = [0] * len(forget) + [1] * len(retain)
@@ -60,18 +124,21 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     target = torch.empty(total, dtype=torch.long)
     label = torch.empty(total, dtype=torch.float32)
     record = torch.empty(total, dtype=torch.long)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))  # similar lengths share a batch
     starts = np.concatenate([[0], np.cumsum(counts)])
-    for b in tqdm(range(0, len(order), batch_size), desc="caching", disable=not progress, leave=False):
-        idx = order[b:b + batch_size]
-        width = max(len(encoded[i][0]) for i in idx)
-        ids = torch.full((len(idx), width), tokenizer.pad_token_id or 0)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):  # right padding: positions are 0..len-1 with no offset
-            ids[r, :len(encoded[i][0])] = torch.tensor(encoded[i][0])
-            mask[r, :len(encoded[i][0])] = 1
-        positions = torch.arange(width).expand(len(idx), width)
-        hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), None).float()
+    pad, prefixes, done = tokenizer.pad_token_id or 0, {}, 0
+    plan = list(batches(encoded, groups, batch_size))
+    for idx, shared in tqdm(plan, desc="caching", disable=not progress, leave=False):
+        prefix = None
+        if shared:
+            key = tuple(encoded[idx[0]][0][:shared])
+            if key not in prefixes:
+                cache = DynamicCache(config=model.config)
+                ids = torch.tensor([key], device=device)
+                h = forward_last_hidden(model, ids, torch.ones_like(ids), torch.arange(shared, device=device)[None],
+                                        cache)
+                prefixes = {key: (cache, h[0].float())}  # batches of one group come one after another
+            prefix = prefixes[key]
+        hidden = _hidden(model, [encoded[i][0][shared:] for i in idx], pad, prefix, device)
         pooled_all = pooled_positions(hidden, window)  # right padding: each row's positions are its own first
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]
@@ -81,8 +148,9 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
             target[lo:hi] = torch.tensor(seq[n_prompt:])
             label[lo:hi] = labels[i]
             record[lo:hi] = i
+        done += len(idx)
         if on_progress is not None:
-            on_progress(min(1.0, (b + batch_size) / len(order)))
+            on_progress(min(1.0, done / len(encoded)))
     if isinstance(pooled, np.memmap):
         pooled.flush()
     return PooledCache(pooled, target, label, record, len(forget), len(retain))

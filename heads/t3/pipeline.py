@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 
 from lethe.heads.t3.cache import build_cache
+from lethe.heads.t3.contexts import context_counts, context_examples, draw_contexts
 from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import HeadInfo, T3Head
 from lethe.heads.t3.pooling import pooling_name
@@ -29,13 +30,23 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     fmt = resolve_format(lm.tokenizer, cfg.format)  # chat where the model has a template: what it serves
     extra = (answer_forms(forget, fmt), answer_forms(retain, fmt)) if cfg.answer_forms else ([], [])
     started = time.perf_counter()
-    cache = build_cache(lm.model, lm.tokenizer, examples(forget + extra[0], fmt, lm.tokenizer),
-                        examples(retain + extra[1], fmt, lm.tokenizer), progress=progress, on_progress=report("caching"),
-                        window=cfg.pooling_window)
+    contexts = draw_contexts(forget + retain, seed=cfg.seed) if cfg.contexts > 0 else []
+    sides, groups, added = [], [], []
+    counts = context_counts(forget, retain, cfg.contexts)
+    for i, (records, forms) in enumerate(zip((forget, retain), extra)):
+        after, which = context_examples(records, contexts, counts[i], fmt, lm.tokenizer, seed=cfg.seed + i)
+        sides.append(examples(records + forms, fmt, lm.tokenizer) + after)
+        # examples that begin alike run their first tokens once (heads.t3.cache.batches): the chat template's
+        # system prompt, each context
+        groups += [("plain", "question" in r) for r in records + forms] + [("context", j) for j in which]
+        added.append(len(after))
+    cache = build_cache(lm.model, lm.tokenizer, *sides, progress=progress, on_progress=report("caching"),
+                        window=cfg.pooling_window, groups=groups)
     cache_seconds = time.perf_counter() - started
     head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"))
     metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
                 "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
+                "context_records": added,
                 "positions": len(cache)}
     info = HeadInfo(base_fingerprint=lm.fingerprint, d=lm.model.config.hidden_size,
                     vocab=lm.model.config.vocab_size, rank=cfg.rank, pooling=pooling_name(cfg.pooling_window),

@@ -47,6 +47,9 @@ class FitConfig:
     pooling_window: int = DEFAULT_WINDOW
     # records with a `fact` also train with the fact alone as the answer (heads.records.answer_forms)
     answer_forms: bool = True
+    # examples per forget record (and twice as many retain ones) that train after a context: a preamble, a system
+    # prompt, earlier turns, other text (heads.t3.contexts); 0: off
+    contexts: float = 1.0
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

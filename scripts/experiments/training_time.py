@@ -1,5 +1,7 @@
-"""Issue 24: head training time, whole-context mean without fact forms against the defaults (window 16, fact forms).
-Run: .venv/bin/python scripts/experiments/training_time.py demo|real (demo: median of 3; real: one each)."""
+"""Issue 24: head training time, whole-context mean without fact forms (the release before issue 24) against the
+defaults (window 16, fact forms, contexts) and variants, each as a ratio to the first.
+Run: .venv/bin/python scripts/experiments/training_time.py demo|real [CONTEXTS_SHARE ...]
+(demo: median of 3; real: one each; shares: the `contexts` of extra runs, default none)."""
 import sys, time, json, statistics
 import torch
 from lethe.heads.modelio import load_model
@@ -20,12 +22,21 @@ else:
     retain = [r | {"fact": r["gold"]} for k in KINDS[1:] for r in records(k, list(k.items)[:25], slice(0, -1))]
     reps = 1
 out = {}
-for name, cfg in (("whole context, no fact forms", FitConfig(pooling_window=0, answer_forms=False)),
-                  ("window 16, fact forms (default)", FitConfig())):
+import lethe.heads.t3.pipeline as pipeline
+shared_cache = pipeline.build_cache
+def unshared_cache(*args, groups=None, **kwargs):  # the release before: no shared first tokens
+    return shared_cache(*args, **kwargs)
+runs = [("the release before: whole context, no fact forms, no shared prefixes",
+         FitConfig(pooling_window=0, answer_forms=False, contexts=0)),
+        ("window 16, fact forms, no contexts", FitConfig(contexts=0)), ("default", FitConfig())]
+runs += [(f"contexts {share}", FitConfig(contexts=float(share))) for share in sys.argv[2:]]
+for name, cfg in runs:
     times = []
+    pipeline.build_cache = unshared_cache if name.startswith("the release before") else shared_cache
     for _ in range(reps):
         t = time.perf_counter(); _, info = train_head(lm, forget, retain, cfg, progress=False); times.append(time.perf_counter() - t)
     out[name] = {"seconds": round(statistics.median(times), 2), "positions": info.metrics["positions"],
                  "cache_s": info.metrics["cache_seconds"]}
     print(which, name, out[name], flush=True)
-print(which, "ratio", round(out["window 16, fact forms (default)"]["seconds"] / out["whole context, no fact forms"]["seconds"], 2))
+first = out[runs[0][0]]["seconds"]
+print(which, "ratios to the first:", {name: round(v["seconds"] / first, 2) for name, v in out.items()})

@@ -142,6 +142,7 @@ class AttackConfig:
     top_p: float = 0.9
     seeds: tuple[int, ...] = (0, 1, 2)
     pooling_window: int | None = None  # sent with the head job only when given
+    contexts: float | None = None  # the head job's examples per forget record after a context; sent only when given
     # the records name their fact (`fact`: the gold), so the head job also trains on it alone as the answer
     # (`heads.records.answer_forms`): the form log-likelihood multiple choice scores after the assistant tag
     facts: bool = True
@@ -352,7 +353,8 @@ class AttackBench:
         sets = {"forget": self.facts.forget_train, "retain": self.facts.retain_train}
         ids = {name: self._post(f"/v1/datasets?name={name}", content=_jsonl(recs, self.cfg.facts))["id"]
                for name, recs in sets.items()}
-        body = ids | ({"pooling_window": self.cfg.pooling_window} if self.cfg.pooling_window is not None else {})
+        body = ids | {k: v for k, v in (("pooling_window", self.cfg.pooling_window),
+                                        ("contexts", self.cfg.contexts)) if v is not None}
         started = time.perf_counter()
         job = self._post("/v1/heads", json=body)
         while job["status"] in ("queued", "running"):

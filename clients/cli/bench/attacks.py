@@ -27,6 +27,9 @@ def register(bench: argparse._SubParsersAction) -> None:
                                                         "seeds 0, 1, 2)")
     p.add_argument("--pooling-window", type=int, default=None,
                    help="the head job's pooling_window (sent only when given)")
+    p.add_argument("--contexts", type=float, default=None,
+                   help="the head job's contexts: examples per forget record trained after a context (sent only when "
+                        "given)")
     p.add_argument("--facts", action=argparse.BooleanOptionalAction, default=True,
                    help="records name their fact (`fact`), so the head also trains on the fact alone as the answer "
                         "(default on; --no-facts: question and answer only)")
@@ -45,6 +48,7 @@ def _command(args) -> str:
     words = ["lethe", "bench", "attacks", "--model", shown_path(args.model)]
     words += ["--limit", str(args.limit)] * (args.limit is not None) + ["--quick"] * args.quick
     words += ["--pooling-window", str(args.pooling_window)] * (args.pooling_window is not None)
+    words += ["--contexts", str(args.contexts)] * (args.contexts is not None)
     words += ["--no-facts"] * (not args.facts)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
@@ -58,7 +62,7 @@ def cmd_bench_attacks(args) -> int:
 
     admin = secrets.token_urlsafe(16)
     cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
-                       facts=args.facts)
+                       facts=args.facts, contexts=args.contexts)
     with _own_server(args, admin_key=admin, demo_tenant=False) as (url, lm):
         report = {"command": _command(args)} | run(url, admin, lm, cfg,
                                                    log=lambda line: print(line, file=sys.stderr, flush=True))
