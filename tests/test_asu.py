@@ -81,6 +81,39 @@ def test_adapters_share_the_base_tensors_and_mixed_rows_equal_each_alone(distill
         model.unload()
 
 
+def test_one_adapter_batches_skip_per_row_routing_and_answer_as_routed_rows_do(distilled, tiny_records, monkeypatch):
+    """A batch whose rows all use one adapter (or none) decodes on peft's plain path, which costs less than routing
+    each row; the answers are the routed path's, whatever the order of batches."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    lm, tensors, info, _, _ = distilled
+    forget, retain = split_by_author(tiny_records, 1)
+    prompts = [question_prompt(r["question"]) for r in forget[:2] + retain[:1]]
+    plain = generate(lm.model, lm.tokenizer, prompts, GREEDY)
+    model = attach(lm.model, "asu_one", tensors, info)
+    model = attach(model, "asu_two", {k: torch.randn_like(v) * 0.5 for k, v in tensors.items()}, info)
+    routed_calls = []
+    mixed = LoraLayer._mixed_batch_forward
+    monkeypatch.setattr(LoraLayer, "_mixed_batch_forward", lambda *a, **k: routed_calls.append(1) or mixed(*a, **k))
+    try:
+        for name in ("asu_one", "__base__", "asu_two", "asu_one", "__base__"):
+            names = [name] * len(prompts)
+            routed_calls.clear()
+            fast = generate(model, lm.tokenizer, prompts, GREEDY, adapters=names)
+            assert not routed_calls, name
+            with model.base_model._enable_peft_forward_hooks(adapter_names=names):
+                routed = generate(model, lm.tokenizer, prompts, GREEDY, adapters=names)
+            assert routed_calls or name == "__base__", "the comparison ran peft's per-row routing"
+            assert [c.token_ids for c in fast] == [c.token_ids for c in routed], name
+            if name == "__base__":
+                assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+        routed_calls.clear()
+        generate(model, lm.tokenizer, prompts, GREEDY, adapters=["asu_one", "__base__", "asu_two"])
+        assert routed_calls  # a mixed batch still routes each row
+    finally:
+        model.unload()
+
+
 def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path):
     forget, retain = split_by_author(tiny_records, 1)
     for name, recs in (("forget", forget), ("retain", retain)):

@@ -189,12 +189,14 @@ def _attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
     if info.mode == "full":
         _load_full_rank(model, name, tensors)
         model.eval()
+        model._lethe_state = None
         return model
     result = set_peft_model_state_dict(model, tensors, adapter_name=name)
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
         raise HeadFileError(f"adapter {name}: tensors that fit no module of this model: {missing[:3]}")
     model.eval()
+    model._lethe_state = None  # adding may change the active adapter: `adapters` sets its state again
     return model
 
 
@@ -227,15 +229,44 @@ def detach(model, name: str) -> None:
 
     if isinstance(model, PeftModel) and name in model.peft_config:
         model.delete_adapter(name)
+        model._lethe_state = None  # deleting may change the active adapter: `adapters` sets its state again
 
 
 @contextmanager
 def adapters(model, names: list[str] | None):
-    """Rows decode with their own adapter (`__base__`: none), in one forward pass."""
+    """Rows decode with their own adapter (`__base__`: none), in one forward pass.
+
+    A batch whose rows all use one adapter, or none, takes peft's plain path: that adapter active for every row,
+    or the adapter layers switched off. Only a batch that mixes them pays for peft's per-row routing
+    (`adapter_names`), which splits every adapted projection's input by adapter. The model keeps its last state
+    (`_use`), so consecutive steps of one batch switch nothing."""
     from peft import PeftModel
 
     if names is None or not isinstance(model, PeftModel):
         yield
         return
-    with model.base_model._enable_peft_forward_hooks(adapter_names=names):
-        yield
+    distinct = set(names)
+    if len(distinct) > 1:
+        _use(model, MIXED)
+        with model.base_model._enable_peft_forward_hooks(adapter_names=names):
+            yield
+        return
+    _use(model, distinct.pop())
+    yield
+
+
+MIXED = "__mixed__"
+
+
+def _use(model, state: str) -> None:
+    """Adapter layers off (`__base__`), on with one adapter active for every row, or on for per-row routing."""
+    if getattr(model, "_lethe_state", None) == state:
+        return
+    base = model.base_model
+    if state == "__base__":
+        base.disable_adapter_layers()
+    else:
+        base.enable_adapter_layers()
+        if state != MIXED:
+            base.set_adapter(state, inference_mode=True)
+    model._lethe_state = state

@@ -72,7 +72,7 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
     """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8.
 
     With `asu_model` (the same base with an adapter `asu_bench` attached), also with the ASU adapter, alone
-    and with the head, and a batch mixing adapter and base rows."""
+    and with the head, a batch mixing adapter and base rows, and base rows alone on that model."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     settings = settings or TiltSettings()
@@ -90,7 +90,12 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
             mixed = ["asu_bench" if i % 2 == 0 else "__base__" for i in range(batch)]
             variants |= {"asu": lambda: generate(asu_model, tok, ps, params, adapters=names),
                          "asu_t3": lambda: generate(asu_model, tok, ps, params, guide, adapters=names),
-                         "asu_mixed_with_base": lambda: generate(asu_model, tok, ps, params, adapters=mixed)}
+                         "asu_mixed_with_base": lambda: generate(asu_model, tok, ps, params, adapters=mixed),
+                         "asu_per_row_routing": lambda: _routed(asu_model, names, lambda: generate(
+                             asu_model, tok, ps, params, adapters=names)),
+                         # what a tenant without ASU pays once some adapter is attached to the served model
+                         "asu_model_base_rows": lambda: generate(asu_model, tok, ps, params,
+                                                                 adapters=["__base__"] * batch)}
         runs = _timed_runs(variants, repeats)
         t = {k: statistics.median(v) for k, v in runs.items()}
         row = {"batch": batch, "new_tokens": new_tokens, **{f"{k}_s": round(v, 4) for k, v in t.items()},
@@ -100,11 +105,17 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
                "t3_tensor_ops_over_no_head": _paired_ratio(runs, "t3_tensor_ops", "no_head"),
                "t3_ms_per_token": round((t["t3"] - t["no_head"]) / new_tokens * 1e3, 3),
                "no_head_ms_per_token": round(t["no_head"] / new_tokens * 1e3, 3)}
-        for k in ("asu", "asu_t3", "asu_mixed_with_base"):
+        for k in ("asu", "asu_t3", "asu_mixed_with_base", "asu_model_base_rows", "asu_per_row_routing"):
             if k in runs:
                 row[f"{k}_over_no_head"] = _paired_ratio(runs, k, "no_head")
         rows.append(row)
     return rows
+
+
+def _routed(model, names: list[str], run: Callable[[], object]) -> object:
+    """`run` with peft's per-row routing for every batch, as the release before served even a one-adapter batch."""
+    with model.base_model._enable_peft_forward_hooks(adapter_names=names):
+        return run()
 
 
 class _PassThrough:
