@@ -30,6 +30,7 @@ AFTER = ("Keep it short.", "Reply in a full sentence.", "Be precise.", "Thanks!"
 N_CONTEXTS = 32  # drawn per head; each trains on about 1/32 of the records it adds
 RETAIN_PER_FORGET = 2
 MAX_PER_FORGET = 4  # the head job's bound on `contexts`
+MAX_TURN_CHARS = 300  # earlier turns come from short records, so a context stays short beside the model's window
 
 
 def draw(rng: random.Random, turns: list[tuple[str, str]], words: list[str]) -> Context:
@@ -50,11 +51,11 @@ def draw(rng: random.Random, turns: list[tuple[str, str]], words: list[str]) -> 
 
 
 def draw_contexts(pool: list[dict], n: int = N_CONTEXTS, seed: int = 0) -> list[Context]:
-    """`n` distinct contexts; earlier turns and other words come from the question/answer records of `pool` (the tenant's
-    forget and retain sets). Forget and retain records draw from the same contexts, so a context alone tells the
+    """`n` distinct contexts; earlier turns (of records up to MAX_TURN_CHARS) and other words come from the
+    question/answer records of `pool` (the tenant's forget and retain sets). Forget and retain records draw from the same contexts, so a context alone tells the
     head nothing."""
     qa = [r for r in pool if "question" in r and "answer" in r]
-    turns = [(r["question"], r["answer"]) for r in qa]
+    turns = [(r["question"], r["answer"]) for r in qa if len(r["question"]) + len(r["answer"]) <= MAX_TURN_CHARS]
     words = [w for r in qa for w in r["answer"].split()]
     rng = random.Random(seed)
     out: list[Context] = []
@@ -70,8 +71,7 @@ def draw_contexts(pool: list[dict], n: int = N_CONTEXTS, seed: int = 0) -> list[
 def context_examples(records: list[dict], contexts: list[Context], n: int, fmt: str = "qa", tokenizer=None,
                      seed: int = 0) -> tuple[list[Example], list[int]]:
     """`n` examples of the question/answer `records` (each record once before any record twice; at random), each after
-    one of `contexts`;
-    and for each such example the index of its context (examples after one context share their first tokens,
+    one of `contexts`; and for each such example the index of its context (examples after one context share their first tokens,
     which the cache pass then runs once: `heads.t3.cache.batches`)."""
     qa = [r for r in records if "question" in r and "answer" in r]
     if not contexts or n <= 0 or not qa:
