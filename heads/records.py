@@ -65,25 +65,41 @@ class Context:
 NO_CONTEXT = Context()
 
 
-def _messages(question: str, ctx: Context) -> list[dict]:
+def _messages(question: str, ctx: Context, chat: bool = True) -> list[dict]:
+    """`question` after `ctx` as chat messages; the text before it goes in the question's message (chat), or on
+    a line of its own (the plain formats)."""
     msgs = [{"role": "system", "content": ctx.system}] if ctx.system else []
     for q, a in ctx.turns:
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    content = (ctx.before + "\n\n" if ctx.before else "") + question + (" " + ctx.after if ctx.after else "")
-    return msgs + [{"role": "user", "content": content}]
+    asked = question + (" " + ctx.after if ctx.after else "")
+    if ctx.before and chat:
+        asked = ctx.before + "\n\n" + asked
+    elif ctx.before:
+        msgs.append({"role": "system", "content": ctx.before})
+    return msgs + [{"role": "user", "content": asked}]
 
 
-def _plain(question: str, fmt: str) -> str:
-    return question if fmt == "raw" else question_prompt(question)
+def plain_prompt(messages: list[dict], fmt: str = "qa") -> str:
+    """Chat messages as text for a model without a chat template: a user turn as `Question: ...\nAnswer:` (`raw`:
+    its text alone), an assistant turn as its answer after a space, then a line break, any other turn as its text on
+    a line; in `qa`, the text ends ready for an answer."""
+    parts = []
+    for m in messages:
+        if m["role"] == "user":
+            parts.append(m["content"] if fmt == "raw" else question_prompt(m["content"]))
+        elif m["role"] == "assistant":
+            parts.append(" " + m["content"] + "\n")
+        else:
+            parts.append(m["content"] + "\n")
+    prompt = "".join(parts)
+    return prompt if fmt == "raw" or prompt.endswith("Answer:") else prompt + "Answer:"
 
 
 def ask(question: str, fmt: str = "qa", tokenizer=None, ctx: Context = NO_CONTEXT) -> str:
     """The prompt that asks `question` in format `fmt` (for chat: what /v1/chat/completions builds), after `ctx`."""
     if fmt == "chat":
         return tokenizer.apply_chat_template(_messages(question, ctx), tokenize=False, add_generation_prompt=True)
-    lines = [ctx.system or "", *(_plain(q, fmt) + " " + a for q, a in ctx.turns), ctx.before]
-    return "".join(line + "\n" for line in lines if line) + _plain(question + (" " + ctx.after if ctx.after else ""),
-                                                                   fmt)
+    return plain_prompt(_messages(question, ctx, chat=False), fmt)
 
 
 def qa_example(question: str, answer: str, fmt: str = "qa", tokenizer=None, ctx: Context = NO_CONTEXT) -> Example:

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lethe.heads.decoding.decode import Completion
 from lethe.heads.decoding.logprobs import TokenLogprob, token_bytes
-from lethe.heads.records import PROMPT_FORMAT
+from lethe.heads.records import plain_prompt
 from lethe.heads.decoding.sampling import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEED, MAX_STOPS, MAX_TOP_K,
                                            SamplingParams)
 from lethe.server.answer_json import dumps
@@ -217,16 +217,7 @@ def chat_prompt(tokenizer, messages: list[Message]) -> str:
     turns = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    parts = []
-    for turn in turns:
-        if turn["role"] == "user":
-            parts.append(PROMPT_FORMAT.format(question=turn["content"]))
-        elif turn["role"] == "assistant":
-            parts.append(" " + turn["content"] + "\n")
-        else:
-            parts.append(turn["content"] + "\n")
-    prompt = "".join(parts)
-    return prompt if prompt.endswith("Answer:") else prompt + "Answer:"
+    return plain_prompt(turns)
 
 
 Choice = tuple[int, "str | list[int]", SamplingParams, object]  # (index, prompt, settings, resolved profile)

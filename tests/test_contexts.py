@@ -47,8 +47,8 @@ def test_forget_and_retain_records_train_after_the_same_contexts(split):
     assert sorted(e.completion for e in f) == sorted(" " + q["answer"] for q in forget)  # each forget record once
     assert context_examples(forget, contexts, 0) == ([], [])
     # per forget record, and RETAIN_PER_FORGET times as many retain records: the retain set is often larger
-    assert context_counts(forget, retain, 1.0) == (len(forget), RETAIN_PER_FORGET * len(forget))
-    assert context_counts(forget, retain, 0.5)[0] == round(len(forget) / 2) and context_counts(forget, retain, 0) == (0, 0)
+    assert context_counts(forget, 1.0) == (len(forget), RETAIN_PER_FORGET * len(forget))
+    assert context_counts(forget, 0.5)[0] == round(len(forget) / 2) and context_counts(forget, 0) == (0, 0)
     twice, _ = context_examples(forget, contexts, 2 * len(forget), seed=0)  # each forget record after two contexts
     assert sorted(e.completion for e in twice) == sorted(2 * [" " + q["answer"] for q in forget])
 
@@ -81,7 +81,7 @@ def test_the_head_job_reports_its_context_records_and_can_turn_them_off(tiny_lm,
     forget, retain = split
     _, on = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=2), progress=False)
     _, off = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=2, contexts=0), progress=False)
-    assert on.metrics["context_records"] == list(context_counts(forget, retain, 1.0))
+    assert on.metrics["context_records"] == list(context_counts(forget, 1.0))
     assert off.metrics["context_records"] == [0, 0] and on.metrics["positions"] > off.metrics["positions"]
     assert on.training["contexts"] == 1.0
 

@@ -163,7 +163,7 @@ def attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
     check_asu(name, tensors, info, projection_shapes(model), model.config.num_hidden_layers)
     wrapped = isinstance(model, PeftModel)
     try:
-        return _attach(model, name, tensors, info)
+        model = _attach(model, name, tensors, info)
     except BaseException:
         if wrapped:
             detach(model, name)
@@ -176,6 +176,8 @@ def attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
                     setattr(parent, module_name.rsplit(".", 1)[-1], module.get_base_layer())
             vars(model).pop("peft_config", None)
         raise
+    model._lethe_state = None  # adding may change the active adapter: `adapters` sets its state again
+    return model
 
 
 def _attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
@@ -189,14 +191,12 @@ def _attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
     if info.mode == "full":
         _load_full_rank(model, name, tensors)
         model.eval()
-        model._lethe_state = None
         return model
     result = set_peft_model_state_dict(model, tensors, adapter_name=name)
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
         raise HeadFileError(f"adapter {name}: tensors that fit no module of this model: {missing[:3]}")
     model.eval()
-    model._lethe_state = None  # adding may change the active adapter: `adapters` sets its state again
     return model
 
 

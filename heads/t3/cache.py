@@ -125,20 +125,16 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     label = torch.empty(total, dtype=torch.float32)
     record = torch.empty(total, dtype=torch.long)
     starts = np.concatenate([[0], np.cumsum(counts)])
-    pad, prefixes, done = tokenizer.pad_token_id or 0, {}, 0
+    pad, prefix_key, prefix, done = tokenizer.pad_token_id or 0, None, None, 0
     plan = list(batches(encoded, groups, batch_size))
     for idx, shared in tqdm(plan, desc="caching", disable=not progress, leave=False):
-        prefix = None
-        if shared:
-            key = tuple(encoded[idx[0]][0][:shared])
-            if key not in prefixes:
-                cache = DynamicCache(config=model.config)
-                ids = torch.tensor([key], device=device)
-                h = forward_last_hidden(model, ids, torch.ones_like(ids), torch.arange(shared, device=device)[None],
-                                        cache)
-                prefixes = {key: (cache, h[0].float())}  # batches of one group come one after another
-            prefix = prefixes[key]
-        hidden = _hidden(model, [encoded[i][0][shared:] for i in idx], pad, prefix, device)
+        key = tuple(encoded[idx[0]][0][:shared])
+        if shared and key != prefix_key:  # batches of one group come one after another: its prefix runs once
+            cache = DynamicCache(config=model.config)
+            ids = torch.tensor([key], device=device)
+            h = forward_last_hidden(model, ids, torch.ones_like(ids), torch.arange(shared, device=device)[None], cache)
+            prefix_key, prefix = key, (cache, h[0].float())
+        hidden = _hidden(model, [encoded[i][0][shared:] for i in idx], pad, prefix if shared else None, device)
         pooled_all = pooled_positions(hidden, window)  # right padding: each row's positions are its own first
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]

@@ -86,7 +86,7 @@ def context_examples(records: list[dict], contexts: list[Context], n: int, fmt: 
     return out, which
 
 
-def context_counts(forget: list[dict], retain: list[dict], per_forget: float) -> tuple[int, int]:
+def context_counts(forget: list[dict], per_forget: float) -> tuple[int, int]:
     """How many forget and retain examples train after a context: `per_forget` per question/answer record of the
     forget set (1: each once; 2: each after two contexts; 0.5: half of them), and RETAIN_PER_FORGET times as many
     retain records (the retain set is often many times larger, and all of it would cost training time without

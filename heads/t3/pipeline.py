@@ -32,7 +32,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     started = time.perf_counter()
     contexts = draw_contexts(forget + retain, seed=cfg.seed) if cfg.contexts > 0 else []
     sides, groups, added = [], [], []
-    counts = context_counts(forget, retain, cfg.contexts)
+    counts = context_counts(forget, cfg.contexts)
     for i, (records, forms) in enumerate(zip((forget, retain), extra)):
         after, which = context_examples(records, contexts, counts[i], fmt, lm.tokenizer, seed=cfg.seed + i)
         sides.append(examples(records + forms, fmt, lm.tokenizer) + after)
