@@ -11,7 +11,7 @@ def test_short_soak_answers_429_with_retry_after_frees_leavers_and_serves_past_a
                         metrics_public=True) as url:
         slow = new_tenant(url, "slow-reader").headers["authorization"].removeprefix("Bearer ")
         # the anonymous callers fill the queue; the slow reader, a tenant of its own, still gets its part of it
-        result = soak(url, clients=12, duration=4.0, max_new_tokens=24, leavers=2, slow_readers=1,
+        result = soak(url, clients=12, duration=6.0, max_new_tokens=24, leavers=2, slow_readers=1,
                       slow_reader_key=slow)
     assert result["served"] > 20 and result["healthy_after"]
     assert set(result["errors"]) == {"429"}, result["errors"]  # busy, never a 5xx or a dropped connection
