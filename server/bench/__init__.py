@@ -12,6 +12,7 @@
     scale.py            `lethe bench scale`: 2 Ray Serve replicas against 1, and Ray's routing overhead
     attacks.py          `lethe bench attacks`: forgetting in contexts (system prompts, earlier turns, documents,
                         other languages, multiple choice) and under log-likelihood scoring, through the routes
+    continual.py        `lethe bench continual`: forget requests one after another, each applied to a profile
 
 Above `heads/` and `server/`: a bench may import both. The evaluation math they use (`evaluate`, `metrics`,
 `scoring`, `facts`) stays in `lethe.heads.evaluation`. Heavy imports stay inside the functions that need them.

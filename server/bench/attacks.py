@@ -201,7 +201,7 @@ class AttackBench:
         self.context_length = self._get("/version")["max_model_len"]
         self.chat = bool(getattr(lm.tokenizer, "chat_template", None))
         self.max_tokens = 40 if self.chat else 24
-        self.memo: dict[str, tuple[str, int]] = {}
+        self.memo: dict[tuple[str, str], tuple[str, int]] = {}  # (model, request): (text, prompt tokens)
         self.fitted: dict[tuple[str, str], tuple[str, dict] | None] = {}
         self.pool = ThreadPoolExecutor(cfg.workers)
 
@@ -295,7 +295,7 @@ class AttackBench:
             return None
         route, body = self.fitted[key]
         body = body | params | {"model": model, "max_tokens": self.max_tokens}
-        memo = json.dumps([route, body], sort_keys=True)
+        memo = (model, json.dumps([route, body], sort_keys=True))
         if memo not in self.memo:
             out = self._post(route, json=body)
             choice = out["choices"][0]
@@ -333,11 +333,15 @@ class AttackBench:
                      retain_pool, {k.name: list(k.items.values()) for k in KINDS},
                      {k: len(v) for k, v in known.items()})
 
-    def facts_for_demo(self) -> Facts:
-        """The demo's sets (the README's head): forget items the base model answers with their fact."""
+    def facts_for_demo(self, moved: int = 0) -> Facts:
+        """The demo's sets (the README's head): forget items the base model answers with their fact. `moved`: the
+        first authors of the retain set that go to the forget set too (the demo's forget set has four)."""
         from lethe.heads.records import read_jsonl
 
         forget_records, retain_records = read_jsonl(DEMO_SETS / "forget.jsonl"), read_jsonl(DEMO_SETS / "retain.jsonl")
+        authors = list(dict.fromkeys(r["author"] for r in retain_records))[:moved]
+        forget_records += [r for r in retain_records if r["author"] in authors]
+        retain_records = [r for r in retain_records if r["author"] not in authors]
         forget, retain = [demo_item(r) for r in forget_records], [demo_item(r) for r in retain_records]
         got = self.answers(CONTEXTS[0], forget, self.base, [{"temperature": 0.0}])
         forget_pool = [r for r, a in zip(forget, got) if a and hit(a[0], r["gold"])]
@@ -348,27 +352,32 @@ class AttackBench:
         return Facts(False, forget, retain, spread(forget_pool, self.cfg.limit), spread(retain, self.cfg.limit),
                      forget_pool, retain, options, {"forget": len(forget_pool)})
 
-    def train(self) -> dict:
-        """Upload the sets, train a head through the head job, put it in the profile: what was made, and the time."""
+    def train(self, backend: str = "t3", options: dict | None = None, profile: str = PROFILE) -> dict:
+        """Upload the sets, train a head (`backend` t3: the head job) or ASU weights (asu: the ASU job, with
+        `options`), put it in `profile`: what was made, and the time."""
         sets = {"forget": self.facts.forget_train, "retain": self.facts.retain_train}
         ids = {name: self._post(f"/v1/datasets?name={name}", content=_jsonl(recs, self.cfg.facts))["id"]
                for name, recs in sets.items()}
         body = ids | {k: v for k, v in (("pooling_window", self.cfg.pooling_window),
-                                        ("contexts", self.cfg.contexts)) if v is not None}
+                                        ("contexts", self.cfg.contexts)) if v is not None and backend == "t3"}
+        body |= options or {}
         started = time.perf_counter()
-        job = self._post("/v1/heads", json=body)
+        job = self._post("/v1/heads" if backend == "t3" else "/v1/asu", json=body)
         while job["status"] in ("queued", "running"):
             time.sleep(0.5)
             job = self._get(f"/v1/jobs/{job['id']}")
         if job["status"] != "succeeded":
-            raise RuntimeError(f"head job {job['id']} {job['status']}: {job['error']}")
+            raise RuntimeError(f"{backend} job {job['id']} {job['status']}: {job['error']}")
         seconds = time.perf_counter() - started
-        r = self.http.put(f"/v1/profiles/{PROFILE}", json={"head": job["head"], **self.cfg.settings})
+        made = job["head"] if backend == "t3" else job["weights"]
+        spec = {"head": made} if backend == "t3" else {"backend": "asu", "weights": made}
+        r = self.http.put(f"/v1/profiles/{profile}", json=spec | self.cfg.settings)
         if r.status_code >= 400:
-            raise RuntimeError(f"PUT /v1/profiles/{PROFILE}: {r.status_code} {r.text[:500]}")
-        self.log(f"head {job['head']}: {len(sets['forget'])} forget and {len(sets['retain'])} retain records in "
+            raise RuntimeError(f"PUT /v1/profiles/{profile}: {r.status_code} {r.text[:500]}")
+        self.memo = {k: v for k, v in self.memo.items() if k[0] != profile}  # its answers are the last version's
+        self.log(f"{backend} {made}: {len(sets['forget'])} forget and {len(sets['retain'])} retain records in "
                  f"{seconds:.1f} s" + (" (and each fact alone as an answer)" if self.cfg.facts else ""))
-        return {"id": job["head"], "job": job["id"], "request": body, "train_seconds": round(seconds, 2),
+        return {"id": made, "job": job["id"], "request": body, "train_seconds": round(seconds, 2),
                 "job_seconds": round(job["finished"] - job["started"], 2), "metrics": job["metrics"],
                 "profile": r.json()}
 

@@ -33,12 +33,17 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--facts", action=argparse.BooleanOptionalAction, default=True,
                    help="records name their fact (`fact`), so the head also trains on the fact alone as the answer "
                         "(default on; --no-facts: question and answer only)")
-    p.add_argument("--settings", type=_json_object, default={},
-                   help='profile settings over the head\'s recommendation, as JSON, e.g. \'{"gate": false}\'')
-    p.add_argument("--port", type=int, default=None, help="port (default 8767)")
-    p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
-    _offline_defaults(p, port=8767)
+    add_server_bench_args(p, port=8767)
     p.set_defaults(func=cmd_bench_attacks)
+
+
+def add_server_bench_args(p: argparse.ArgumentParser, port: int) -> None:
+    """`--settings`, `--port` and `--out` of a bench that runs a server of its own."""
+    p.add_argument("--settings", type=_json_object, default={},
+                   help='profile settings over the head\'s (or weights\') defaults, as JSON, e.g. \'{"gate": false}\'')
+    p.add_argument("--port", type=int, default=None, help=f"port (default {port})")
+    p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
+    _offline_defaults(p, port=port)
 
 
 def _command(args) -> str:
@@ -55,17 +60,23 @@ def _command(args) -> str:
 
 
 def cmd_bench_attacks(args) -> int:
+    from lethe.server.bench.attacks import AttackConfig, markdown, run
+
+    cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
+                       facts=args.facts, contexts=args.contexts)
+    return run_server_bench(args, _command(args), run, cfg, markdown)
+
+
+def run_server_bench(args, command: str, run, cfg, markdown) -> int:
+    """`run(url, admin_key, lm, cfg, log)` against a server of its own; its table printed, its report written."""
     import secrets
 
     from lethe.clients.cli.bench.load import _own_server
-    from lethe.server.bench.attacks import AttackConfig, markdown, run
 
     admin = secrets.token_urlsafe(16)
-    cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
-                       facts=args.facts, contexts=args.contexts)
     with _own_server(args, admin_key=admin, demo_tenant=False) as (url, lm):
-        report = {"command": _command(args)} | run(url, admin, lm, cfg,
-                                                   log=lambda line: print(line, file=sys.stderr, flush=True))
+        report = {"command": command} | run(url, admin, lm, cfg,
+                                            log=lambda line: print(line, file=sys.stderr, flush=True))
     print(markdown(report))
     if args.out:
         write_report(args.out, report, markdown)
