@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "model knows (mean probability >= 0.5 on their content tokens) are measured")
     t.add_argument("--min-drop", type=float, default=1.0, help="least drop (nats) on content tokens a pick "
                    "needs (default 1.0)")
+    t.add_argument("--min-flips", type=float, default=0.5, help="least share of facts whose first token stops "
+                   "being the teacher's top token that a pick needs (default 0.5)")
     _add_format_arg(t)
     t.add_argument("--out", type=Path, help="also write the report here (JSON)")
     t.set_defaults(func=cmd_asu_teacher)
@@ -81,10 +83,11 @@ def cmd_asu_teacher(args) -> int:
 
     forget = read_jsonl(args.forget)
     lm = load_model(args.model, args.device, args.dtype)
-    result = report(diagnose(lm, forget, args.taus or TAUS, args.layers, args.limit, args.format), args.min_drop)
+    result = report(diagnose(lm, forget, args.taus or TAUS, args.layers, args.limit, args.format), args.min_drop,
+                    args.min_flips)
     for setting in result["settings"]:
         print(json.dumps(setting))
-    print(json.dumps({"pick": result["pick"], "min_drop": args.min_drop}))
+    print(json.dumps({"pick": result["pick"], "min_drop": args.min_drop, "min_flips": args.min_flips}))
     if args.out is not None:
         from lethe.heads.io import atomic_write_text
 
