@@ -88,3 +88,26 @@ def test_asu_can_distil_along_the_models_own_answers(tiny_lm, tiny_records):
     unknown = [r | {"fact": "Zzyzxquorble"} for r in forget]
     with pytest.raises(ValueError, match="none of the forget set's facts"):
         train_asu(tiny_lm, unknown, retain, ASUConfig(tau=4.0, steps=2, own_answers=True), progress=False)
+
+
+def test_the_kl_retain_loss_can_follow_the_models_own_retain_answers(tiny_lm, tiny_records, monkeypatch):
+    """With retain_own_answers the student is held to the original along the model's own greedy answers to the
+    retain questions (where its generations go), not the retain set's sentences; with the gd loss it is refused."""
+    import lethe.heads.asu.distill as distill
+    from lethe.heads.asu.teacher import greedy_answers
+
+    forget, retain = split_by_author(tiny_records, 1)
+    retain = [r | {"answer": "Nobody knows that."} for r in retain[:6]]  # not what the model says
+    seen = []
+    real = distill.examples
+    monkeypatch.setattr(distill, "examples", lambda recs, fmt, tok: seen.append([r["answer"] for r in recs])
+                        or real(recs, fmt, tok))
+    own = [a for a in greedy_answers(tiny_lm, retain, "qa") if a]
+    assert own and "Nobody knows that." not in own
+    tensors, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, check_every=1, retain_loss="kl",
+                                                                  retain_own_answers=True, format="qa"),
+                              progress=False)
+    assert tensors and info.training["retain_own_answers"] is True
+    assert seen[1] == own  # the retain side: the model's own answers
+    with pytest.raises(ValueError, match="retain_own_answers"):
+        train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, retain_own_answers=True), progress=False)

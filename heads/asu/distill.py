@@ -46,6 +46,9 @@ class ASUConfig:
     # distil along the model's own greedy answers where they state the record's `fact` (heads.asu.teacher's
     # own_answers), instead of the record's sentence, whose fact tokens the model may not expect at all
     own_answers: bool = False
+    # hold the student to the original along the model's own greedy answers to the retain questions (the text it
+    # generates and drifts on), instead of the retain set's sentences; needs retain_loss kl
+    retain_own_answers: bool = False
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -152,6 +155,13 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         forget = own_answers(lm, forget, fmt)
         if not forget:
             raise ValueError("forget: the model's own answers state none of the forget set's facts")
+    if cfg.retain_own_answers:
+        from lethe.heads.asu.teacher import greedy_answers
+
+        if cfg.retain_loss != "kl":
+            raise ValueError("retain_own_answers: needs retain_loss kl (gd would teach the model its own answers)")
+        qa = [r for r in retain if "question" in r]
+        retain = [r | {"answer": a} for r, a in zip(qa, greedy_answers(lm, qa, fmt)) if a] or retain
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.
     teacher = []

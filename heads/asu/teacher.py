@@ -108,19 +108,24 @@ def _flips(base_top: list[torch.Tensor], teacher_top: list[torch.Tensor], roles:
     return (round(statistics.fmean(facts), 3) if facts else 0.0, round(statistics.fmean(other), 3) if other else 0.0)
 
 
+def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[str]:
+    """The model's own greedy answer to each record's question, stripped."""
+    from lethe.heads.decoding.decode import generate_chunked
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.records import ask
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in records], params)
+    return [c.text.strip() for c in said]
+
+
 def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[dict]:
     """Records naming a `fact` get the model's own greedy answer instead of theirs, and are dropped where that
     answer lacks the fact: a forget set's sentence is often not how the model says it ("... written by
     Shakespeare." where it says "William Shakespeare"), and the fact's tokens after someone else's words are
     unlikely to begin with. Records without a fact are kept as they are."""
-    from lethe.heads.decoding.decode import generate_chunked
-    from lethe.heads.decoding.sampling import SamplingParams
-    from lethe.heads.records import ask
-
     named = [r for r in records if isinstance(r.get("fact"), str) and r["fact"].strip()]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in named], params)
-    answers = {id(r): c.text.strip() for r, c in zip(named, said)}
+    answers = {id(r): text for r, text in zip(named, greedy_answers(lm, named, fmt, max_new_tokens))}
     out = []
     for r in records:
         if id(r) not in answers:

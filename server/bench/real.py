@@ -54,6 +54,7 @@ class RealBenchConfig:
     asu_retain_loss: str = "gd"
     asu_retain_weight: float = 1.0
     asu_own_answers: bool = False  # distil along the model's own answers (ASUConfig.own_answers)
+    asu_retain_own_answers: bool = False  # the KL retain loss along the model's own retain answers
 
 
 def fluency(answers: list[str], vocab) -> dict:
@@ -125,7 +126,8 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
         named = [r | {"fact": r["gold"]} for r in forget_train]  # the gold is the fact the own answers must state
         tensors, asu_info = train_asu(trainer, named, retain_train, ASUConfig(
             tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
-            retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers, format=cfg.fit.format),
+            retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
+            retain_own_answers=cfg.asu_retain_own_answers, format=cfg.fit.format),
             progress=False)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
         log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
