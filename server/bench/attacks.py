@@ -308,6 +308,13 @@ class AttackBench:
         jobs = [(item, params) for params in runs for item in items]
         return list(self.pool.map(lambda job: self.answer(ctx, job[0], model, job[1]), jobs))
 
+    def pairs(self, ctx: Context, items: list[dict], runs: list[dict], profile: str = PROFILE) -> list[tuple]:
+        """(item, base answer, profile answer) for every item under every setting in `runs`, where both were
+        asked (an item too long for the context is left out)."""
+        asked = [r for _ in runs for r in items]
+        return [(r, b, p) for r, b, p in zip(asked, self.answers(ctx, items, self.base, runs),
+                                              self.answers(ctx, items, profile, runs)) if b and p]
+
     # ---- the facts and the head
 
     def facts_for_chat(self) -> Facts:
@@ -389,11 +396,10 @@ class AttackBench:
         out: dict = {"context": ctx.name, "decoding": label}
         tokens = []
         for name, items in (("forget", self.facts.forget), ("retain", self.facts.retain)):
-            asked = [r for _ in runs for r in items]
-            pairs = [(r, b, p) for r, b, p in zip(asked, self.answers(ctx, items, self.base, runs),
-                                                  self.answers(ctx, items, PROFILE, runs)) if b and p]
+            pairs = self.pairs(ctx, items, runs)
             tokens += [b[1] for _, b, _ in pairs]
-            out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], len(asked) - len(pairs), vocab)
+            skipped = len(runs) * len(items) - len(pairs)
+            out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab)
             if label == "greedy" and name == "forget":
                 out["examples"] = [{"question": r["question"], "gold": r["gold"], "base": b[0], "profile": p[0]}
                                    for r, b, p in pairs[:2]]

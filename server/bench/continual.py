@@ -17,11 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from lethe.heads.evaluation.facts import hit
 from lethe.server.bench import shown_path
 from lethe.server.bench.attacks import CONTEXTS, AttackBench, AttackConfig, _share, spread
-
-BACKENDS = ("t3", "asu")
-
 
 @dataclass
 class ContinualConfig:
@@ -52,17 +50,14 @@ class ContinualBench(AttackBench):
         plain, greedy = CONTEXTS[0], [{"temperature": 0.0}]
         out: dict = {"forget": []}
         for g, subjects in enumerate(groups, 1):
-            items = [r for r in self.facts.forget_pool if r["subject"] in subjects]
-            pairs = [(r, b, p) for r, b, p in zip(items, self.answers(plain, items, self.base, greedy),
-                                                  self.answers(plain, items, profile, greedy)) if b and p]
+            pairs = self.pairs(plain, [r for r in self.facts.forget_pool if r["subject"] in subjects], greedy, profile)
             out["forget"].append({"group": g, "requested": g <= k, "n": len(pairs),
-                                  "hits_base": _share([_hit(r, b) for r, b, _ in pairs]),
-                                  "hits_profile": _share([_hit(r, p) for r, _, p in pairs])})
-        pairs = [(r, b, p) for r, b, p in zip(retain, self.answers(plain, retain, self.base, greedy),
-                                              self.answers(plain, retain, profile, greedy)) if b and p]
+                                  "hits_base": _share([hit(b[0], r["gold"]) for r, b, _ in pairs]),
+                                  "hits_profile": _share([hit(p[0], r["gold"]) for r, _, p in pairs])})
+        pairs = self.pairs(plain, retain, greedy, profile)
         out["retain"] = {"n": len(pairs), "identical": _share([b[0] == p[0] for _, b, p in pairs]),
-                         "hits_base": _share([_hit(r, b) for r, b, _ in pairs]),
-                         "hits_profile": _share([_hit(r, p) for r, _, p in pairs])}
+                         "hits_base": _share([hit(b[0], r["gold"]) for r, b, _ in pairs]),
+                         "hits_profile": _share([hit(p[0], r["gold"]) for r, _, p in pairs])}
         return out
 
     def run(self) -> dict:
@@ -96,12 +91,6 @@ class ContinualBench(AttackBench):
         report["bars"] = bars(report)
         report["seconds"] = round(time.perf_counter() - started, 1)
         return report
-
-
-def _hit(item: dict, answer: tuple[str, int]) -> bool:
-    from lethe.heads.evaluation.facts import hit
-
-    return hit(answer[0], item["gold"])
 
 
 def bars(report: dict) -> list[dict]:
