@@ -30,7 +30,9 @@ FREEZE = pip freeze --exclude-editable --exclude lethe | sed -E 's/^(torch==[^+]
 # these flags. It takes 7-10 minutes on 2 cores, so `make install` leaves it out (it installs the lock without its
 # llama_cpp_python line; that package's dependencies are in the lock) and `make llamacpp` builds it, once per venv
 # (again after the lock changed, where pip finds the locked version already installed unless it changed).
-LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+# LLAVA_BUILD=OFF leaves out llama-cpp-python's multimodal library (mtmd: 51 of the build's 193 steps), which Lethe
+# never loads (llama_cpp imports it only for image chat handlers).
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 LLAMA_LOCKED := $(shell grep -E '^llama_cpp_python==' $(LOCK))
 # $(1): the venv's bin, $(2): the requirement, $(3): the log. pip's verbose output goes to the log, and the build's
 # steps (ninja's [n/m], make's [ n%]) are printed every 5%. bash (the targets that call it set SHELL): pipefail, so a

@@ -56,16 +56,21 @@ def test_a_large_answer_leaves_other_threads_running():
             gaps.append(now - last)
             last = now
 
-    def longest_gap(encode) -> float:
-        gaps.clear()
-        done.clear()
-        thread = threading.Thread(target=ticker)
-        thread.start()
-        time.sleep(0.05)
-        encode(answer)
-        done.set()
-        thread.join()
-        return max(gaps)
+    def longest_gap(encode, tries: int = 3) -> float:
+        """The least, over a few tries, of the longest pause: another process on the cores only adds to a pause, so
+        the least is the encoder's own (a loaded machine once stretched a single try to 33 ms)."""
+        longest = []
+        for _ in range(tries):
+            gaps.clear()
+            done.clear()
+            thread = threading.Thread(target=ticker)
+            thread.start()
+            time.sleep(0.05)
+            encode(answer)
+            done.set()
+            thread.join()
+            longest.append(max(gaps))
+        return min(longest)
 
     whole, sliced = longest_gap(_reference), longest_gap(dumps)
     print(f"longest pause of another thread: {1000 * whole:.0f} ms with json.dumps, {1000 * sliced:.0f} ms sliced")

@@ -597,9 +597,11 @@ def test_a_big_upload_never_stalls_others_and_cancelled_evals_stop(tiny_model_di
             took = time.perf_counter() - t0
         assert upload.result().status_code == 201, upload.result().text
         # the client and the server share this process (and its GIL), so some wait is the client's and a loaded
-        # machine adds single outliers (1.1 s was seen once in CI); parsing on the event loop stalled /healthz for the
-        # whole parse, 3.7 s here, and 8 s in the probe that found it
-        assert max(waits) < 2.0, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload"
+        # machine adds single outliers (1.1 s was seen once in CI, 2.2 s in a slow run beside another process);
+        # parsing on the event loop stalled /healthz for the whole parse, 3.7 s here, and 8 s in the probe that found
+        # it: most of the upload's time, where a loaded machine's outlier is a small part of it
+        bar = max(2.0, took / 3)
+        assert max(waits) < bar, f"/healthz waited {max(waits):.2f} s during a {took:.1f} s upload (bar {bar:.1f} s)"
         assert statistics.median(waits) < 0.25, f"/healthz's median wait {statistics.median(waits):.2f} s"
         recs = _jsonl(tiny_records[:20])
         d = c.post("/v1/datasets", content=recs).json()["id"]

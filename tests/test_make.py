@@ -56,6 +56,7 @@ def test_make_llamacpp_compiles_the_locked_version_without_amx_and_without_the_w
     assert f"--no-cache-dir --no-deps {_locked_llama()} " in build
     for flag in ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"):
         assert build.count(flag) == 2, flag  # C and C++
+    assert "-DLLAVA_BUILD=OFF" in build  # the multimodal library, which Lethe never loads, is not compiled
     assert "set -o pipefail" in build  # a failed build fails make (bash: `make` runs it with SHELL /bin/bash)
     # after the lock's other packages (its dependencies), before its stamp
     assert lines.index(build) > next(i for i, line in enumerate(lines) if "requirements-no-llamacpp" in line)
