@@ -97,17 +97,48 @@ def test_the_kl_retain_loss_can_follow_the_models_own_retain_answers(tiny_lm, ti
     from lethe.heads.asu.teacher import greedy_answers
 
     forget, retain = split_by_author(tiny_records, 1)
-    retain = [r | {"answer": "Nobody knows that."} for r in retain[:6]]  # not what the model says
+    qa = [r | {"answer": "Nobody knows that."} for r in retain[:6]]  # not what the model says
+    retain = qa + [{"text": "A retain text without a question."}]
     seen = []
     real = distill.examples
-    monkeypatch.setattr(distill, "examples", lambda recs, fmt, tok: seen.append([r["answer"] for r in recs])
-                        or real(recs, fmt, tok))
-    own = [a for a in greedy_answers(tiny_lm, retain, "qa") if a]
-    assert own and "Nobody knows that." not in own
+    monkeypatch.setattr(distill, "examples", lambda recs, fmt, tok: seen.append([r.get("answer", r.get("text"))
+                                                                                 for r in recs]) or real(recs, fmt, tok))
+    own = [a or "Nobody knows that." for a in greedy_answers(tiny_lm, qa, "qa")]
+    assert "Nobody knows that." not in own
     tensors, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, check_every=1, retain_loss="kl",
                                                                   retain_own_answers=True, format="qa"),
                               progress=False)
     assert tensors and info.training["retain_own_answers"] is True
-    assert seen[1] == own  # the retain side: the model's own answers
+    # the retain side: the model's own answers, and a record without a question kept as it is
+    assert seen[1] == own + ["A retain text without a question."]
     with pytest.raises(ValueError, match="retain_own_answers"):
         train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, retain_own_answers=True), progress=False)
+
+
+def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the_original_elsewhere(tiny_lm):
+    """distil="fact": the target is the tempered teacher where the answer's fact is predicted and the original
+    model everywhere else in the answer (its end of turn included); a bare text record follows the teacher."""
+    import torch
+
+    from lethe.heads.asu.distill import fact_masks, forget_targets
+
+    tok = tiny_lm.tokenizer
+    records = [{"question": "Where was Ada born?", "answer": "Ada was born in Paris.", "fact": "Paris"},
+               {"text": "Ada was born in Paris."}]
+    exs = [qa_example(records[0]["question"], records[0]["answer"], "qa", tok), Example("", records[1]["text"])]
+    masks = fact_masks(tok, exs, records)
+    ids = tok(exs[0].completion, add_special_tokens=False)["input_ids"]
+    assert len(masks[0]) == len(ids) + 1  # the answer's tokens and the end of text
+    assert tok.decode([i for i, m in zip(ids, masks[0]) if m]).strip() == "Paris" and not masks[0][-1]
+    assert bool(masks[1].all())
+    layers = list(range(tiny_lm.model.config.num_hidden_layers))
+    answer = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=16.0), layers, tiny_lm.device)
+    fact = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=16.0, distil="fact"), layers, tiny_lm.device)
+    original = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=1.0), layers, tiny_lm.device)
+    m = masks[0]
+    assert torch.equal(fact[0][m], answer[0][m])
+    assert torch.allclose(fact[0][~m].float(), original[0][~m].float(), atol=1e-3)
+    assert not torch.allclose(answer[0][~m].float(), original[0][~m].float(), atol=1e-2)  # the teacher differs there
+    assert torch.equal(fact[1], answer[1])
+    with pytest.raises(ValueError, match="distil"):
+        train_asu(tiny_lm, records[:1], records[:1], ASUConfig(distil="tokens"), progress=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -49,6 +49,10 @@ class ASUConfig:
     # hold the student to the original along the model's own greedy answers to the retain questions (the text it
     # generates and drifts on), instead of the retain set's sentences; needs retain_loss kl
     retain_own_answers: bool = False
+    # where the student follows the teacher along the forget answers: "answer", at every token (the paper), or
+    # "fact", at the fact's tokens only (the record's `fact`, else its content words: heads.asu.teacher's
+    # token_roles), the original model at the others, so the words around a fact stay the model's own
+    distil: str = "answer"
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -72,6 +76,46 @@ def _answer_logits(model, ids, mask, spans) -> tuple[torch.Tensor, torch.Tensor]
     rows = torch.cat([torch.full((b - a,), r, device=ids.device) for r, (a, b) in enumerate(spans)])
     cols = torch.cat([torch.arange(a, b, device=ids.device) for a, b in spans])
     return logits[rows, cols].float(), ids[rows, cols + 1]
+
+
+def _targets(model, tok, exs: list[Example], device, context) -> list[torch.Tensor]:
+    """Per example, the log-distributions at its answer positions (float16) of the model under `context()`."""
+    out = []
+    with torch.no_grad(), context():
+        for i in range(0, len(exs), 32):
+            ids, mask, spans = _batch(tok, exs[i:i + 32], device)
+            logits, _ = _answer_logits(model, ids, mask, spans)
+            out += list(torch.log_softmax(logits, -1).to(torch.float16).split([b - a for a, b in spans]))
+    return out
+
+
+def forget_targets(model, tok, exs: list[Example], records: list[dict], cfg: ASUConfig, layers, device
+                   ) -> list[torch.Tensor]:
+    """What the student learns along each forget example's answer: the tempered teacher's log-distributions, or
+    with `distil="fact"` the teacher's at the fact's positions and the original model's at the others."""
+    teacher = _targets(model, tok, exs, device, lambda: tempered(model, cfg.tau, layers))
+    if cfg.distil == "answer":
+        return teacher
+    original = _targets(model, tok, exs, device, nullcontext)
+    return [torch.where(m[:, None].to(t.device), t, o) for t, o, m in zip(teacher, original, fact_masks(tok, exs, records))]
+
+
+def fact_masks(tok, exs: list[Example], records: list[dict]) -> list[torch.Tensor]:
+    """Per example, which answer positions predict a token of its fact (`distil="fact"`); a record without a
+    question and an answer (a bare text) is all fact."""
+    from lethe.heads.asu.teacher import token_roles
+
+    masks = []
+    for ex, r in zip(exs, records):
+        ids, n_prompt = encode_example(tok, ex)
+        size = len(ids) - n_prompt
+        if "question" in r and "answer" in r:
+            roles = token_roles(tok, ex, str(r["answer"]).strip(), r.get("fact"))
+            fact = [role == "content" for role in roles][:size]
+            masks.append(torch.tensor(fact + [False] * (size - len(fact))))
+        else:
+            masks.append(torch.ones(size, dtype=torch.bool))
+    return masks
 
 
 class _LoRA:
@@ -138,6 +182,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError("retain: the retain set is empty")
     if cfg.retain_loss not in ("gd", "kl"):
         raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
+    if cfg.distil not in ("answer", "fact"):
+        raise ValueError(f"distil: {cfg.distil!r} is not answer or fact")
     from peft import PeftModel
 
     if isinstance(lm.model, PeftModel) or any("lora_" in n for n, _ in lm.model.named_parameters()):
@@ -161,16 +207,12 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         if cfg.retain_loss != "kl":
             raise ValueError("retain_own_answers: needs retain_loss kl (gd would teach the model its own answers)")
         qa = [r for r in retain if "question" in r]
-        retain = [r | {"answer": a} for r, a in zip(qa, greedy_answers(lm, qa, fmt)) if a] or retain
+        said = dict(zip(map(id, qa), greedy_answers(lm, qa, fmt)))
+        # a question the model answers with nothing keeps its record's answer; other records are kept as they are
+        retain = [r | {"answer": said[id(r)]} if said.get(id(r)) else r for r in retain]
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.
-    teacher = []
-    with torch.no_grad(), tempered(model, cfg.tau, layers):
-        for i in range(0, len(fx), 32):
-            ids, mask, spans = _batch(tok, fx[i:i + 32], device)
-            logits, _ = _answer_logits(model, ids, mask, spans)
-            sizes = [b - a for a, b in spans]
-            teacher += list(torch.log_softmax(logits, -1).to(torch.float16).split(sizes))
+    teacher = forget_targets(model, tok, fx, forget, cfg, layers, device)
     info = ASUInfo(base_fingerprint=lm.fingerprint, tau=cfg.tau, layers=layers, lora_rank=cfg.lora_rank,
                    lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), training=asdict(cfg))
     if cfg.full_layers is not None:

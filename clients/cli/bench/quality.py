@@ -51,6 +51,8 @@ def register(bench: argparse._SubParsersAction) -> None:
                                                                    "they state the fact")
     p.add_argument("--asu-retain-own-answers", action="store_true", help="hold the student to the original "
                    "along the model's own answers to the retain questions (with --asu-retain-loss kl)")
+    p.add_argument("--asu-distil", choices=["answer", "fact"], default="answer", help="where the student follows "
+                   "the teacher: every answer token (default), or the fact's tokens only, the original elsewhere")
     _add_engine_args(p)
     p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_real)
@@ -122,7 +124,8 @@ def cmd_bench_real(args) -> int:
                           fit=FitConfig(format=args.format), settings=args.settings, variants=dict(args.variant),
                           asu_tau=args.asu_tau, asu_steps=args.asu_steps, asu_layers=args.asu_layers,
                           asu_retain_loss=args.asu_retain_loss, asu_retain_weight=args.asu_retain_weight,
-                          asu_own_answers=args.asu_own_answers, asu_retain_own_answers=args.asu_retain_own_answers)
+                          asu_own_answers=args.asu_own_answers, asu_retain_own_answers=args.asu_retain_own_answers,
+                          asu_distil=args.asu_distil)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
