@@ -123,6 +123,9 @@ class Engine:
         from dataclasses import replace
 
         def copy_base() -> LoadedModel:
+            from lethe.heads.asu.weights import restore_base
+
+            restore_base(self.lm.model)  # never a merged adapter's weights into the copy
             model = copy.deepcopy(self.lm.model)
             if _is_peft(model):
                 model = model.unload()

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from lethe.clients.cli import main
 from lethe.heads.asu.distill import ASUConfig, train_asu
-from lethe.heads.asu.weights import attach, load_asu, save_asu
+from lethe.heads.asu.weights import attach, load_asu, save_asu, unload
 from lethe.heads.decoding.decode import generate
 from lethe.heads.demo.corpus import split_by_author
 from lethe.heads.t3.head import BaseMismatch, HeadFileError
@@ -78,31 +78,47 @@ def test_adapters_share_the_base_tensors_and_mixed_rows_equal_each_alone(distill
         assert together[1].token_ids == plain[1].token_ids, "__base__ rows decode from the base model"
         assert together[0].text != plain[0].text, "the distilled adapter changes the forget answer"
     finally:
-        model.unload()
+        unload(model)
 
 
-def test_one_adapter_batches_skip_per_row_routing_and_answer_as_routed_rows_do(distilled, tiny_records, monkeypatch):
-    """A batch whose rows all use one adapter (or none) decodes on peft's plain path, which costs less than routing
-    each row; the answers are the routed path's, whatever the order of batches."""
+@pytest.mark.parametrize("merged", ["1", "0"])
+def test_one_adapter_batches_skip_per_row_routing_and_answer_as_routed_rows_do(distilled, tiny_records, monkeypatch,
+                                                                              merged):
+    """A batch whose rows all use one adapter (or none) decodes without routing each row: on the base weights with
+    the adapter merged in (LETHE_ASU_MERGED=1, the default), or on peft's plain path (0); the answers are the routed
+    path's, whatever the order of batches, and the base weights come back as they were."""
     from peft.tuners.lora.layer import LoraLayer
 
+    from lethe.heads.asu.weights import MIXED, _use
+
+    monkeypatch.setenv("LETHE_ASU_MERGED", merged)
     lm, tensors, info, _, _ = distilled
     forget, retain = split_by_author(tiny_records, 1)
     prompts = [question_prompt(r["question"]) for r in forget[:2] + retain[:1]]
     plain = generate(lm.model, lm.tokenizer, prompts, GREEDY)
+    q = lm.model.model.layers[0].self_attn.q_proj.weight.data_ptr()
     model = attach(lm.model, "asu_one", tensors, info)
     model = attach(model, "asu_two", {k: torch.randn_like(v) * 0.5 for k, v in tensors.items()}, info)
-    routed_calls = []
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    routed_calls, branch_calls = [], []
     mixed = LoraLayer._mixed_batch_forward
     monkeypatch.setattr(LoraLayer, "_mixed_batch_forward", lambda *a, **k: routed_calls.append(1) or mixed(*a, **k))
+    for name in ("asu_one", "asu_two"):  # the adapters' own branch beside this base layer
+        layer.lora_A[name].register_forward_hook(lambda *_: branch_calls.append(1))
     try:
         for name in ("asu_one", "__base__", "asu_two", "asu_one", "__base__"):
             names = [name] * len(prompts)
             routed_calls.clear()
+            branch_calls.clear()
             fast = generate(model, lm.tokenizer, prompts, GREEDY, adapters=names)
             assert not routed_calls, name
+            if merged == "1" or name == "__base__":
+                assert not branch_calls, name  # the base layers alone, on merged weights or their own
+            # a single adapter's merged weights are a copy: the base tensor itself is never written
+            assert (layer.base_layer.weight.data_ptr() == q) == (name == "__base__" or merged == "0"), name
+            _use(model, MIXED)  # per-row routing on the base weights, which the generation below keeps
             with model.base_model._enable_peft_forward_hooks(adapter_names=names):
-                routed = generate(model, lm.tokenizer, prompts, GREEDY, adapters=names)
+                routed = generate(model, lm.tokenizer, prompts, GREEDY)
             assert routed_calls or name == "__base__", "the comparison ran peft's per-row routing"
             assert [c.token_ids for c in fast] == [c.token_ids for c in routed], name
             if name == "__base__":
@@ -110,8 +126,12 @@ def test_one_adapter_batches_skip_per_row_routing_and_answer_as_routed_rows_do(d
         routed_calls.clear()
         generate(model, lm.tokenizer, prompts, GREEDY, adapters=["asu_one", "__base__", "asu_two"])
         assert routed_calls  # a mixed batch still routes each row
+        assert layer.base_layer.weight.data_ptr() == q  # routed on the base weights
+        generate(model, lm.tokenizer, prompts, GREEDY, adapters=["asu_two"] * len(prompts))
     finally:
-        model.unload()
+        base = unload(model)  # after a merged batch: the base on its own weights again
+    assert base.model.layers[0].self_attn.q_proj.weight.data_ptr() == q
+    assert [c.token_ids for c in generate(base, lm.tokenizer, prompts, GREEDY)] == [c.token_ids for c in plain]
 
 
 def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path):
@@ -157,4 +177,31 @@ def test_full_layer_option_trains_chosen_layers_and_serves_as_an_exact_adapter(t
             direct = model(ids).logits
         torch.testing.assert_close(via_adapter, direct, atol=1e-4, rtol=1e-4)
     finally:
-        model.unload()
+        unload(model)
+
+
+def test_a_jobs_copy_of_the_served_model_is_the_base_after_a_merged_batch(distilled, tiny_model_dir, tiny_records):
+    """The served model decodes a one-adapter batch on merged weights; a job's copy of the model (what the next
+    tenant's head or ASU job trains on) is still the base model, never one tenant's adapter merged in."""
+    from lethe.server.engine import Engine, Pending
+
+    _, tensors, info, _, _ = distilled
+    lm = load_model(tiny_model_dir)  # the engine attaches to its model in place
+    before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    forget, _ = split_by_author(tiny_records, 1)
+    prompt = question_prompt(forget[0]["question"])
+    engine = Engine(lm, max_batch_size=4)
+    try:
+        engine.control(lambda: engine.replace_model(attach(engine.lm.model, "asu_one", tensors, info))).result(60)
+        tilted = engine.submit(Pending(prompt, GREEDY, adapter="asu_one")).future.result(60)
+        served = engine.lm.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+        assert not torch.equal(served, before["model.layers.0.self_attn.q_proj.weight"])  # merged while serving
+        copy = engine.private_copy()
+        assert {n: p for n, p in copy.model.named_parameters()}.keys() == before.keys()
+        assert all(torch.equal(p, before[n]) for n, p in copy.model.named_parameters())
+        plain = generate(copy.model, copy.tokenizer, [prompt], GREEDY)[0]
+        assert plain.text != tilted.text  # the adapter's answer is not the copy's
+        again = engine.submit(Pending(prompt, GREEDY, adapter="asu_one")).future.result(60)
+        assert again.token_ids == tilted.token_ids  # serving goes on with the adapter
+    finally:
+        engine.close()

@@ -193,6 +193,18 @@ def test_cli_bench_t3_reports_every_ratio_for_the_model_and_for_a_size_sweep(tin
     assert [row["batch"] for row in result["decode"]] == [1, 8]
     assert all(row[k] > 0 for row in result["decode"] for k in ratios)
     assert result["training"]["records"] == len(forget) + len(retain) and result["training"]["reference_over_lethe"] > 0
+    # with an ASU adapter: merged (the default), unmerged, routed per row, mixed with base rows, base rows alone
+    from lethe.heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.weights import save_asu
+    from lethe.heads.modelio import load_model
+
+    save_asu(tmp_path / "asu.safetensors", *train_asu(load_model(tiny_model_dir), forget, retain,
+                                                      ASUConfig(steps=2, check_every=1), progress=False))
+    assert main(["bench", "t3", *common, "--asu", str(tmp_path / "asu.safetensors"),
+                 "--out", str(tmp_path / "a.json")]) == 0
+    asu = ("asu_over_no_head", "asu_t3_over_no_head", "asu_unmerged_over_no_head", "asu_per_row_routing_over_no_head",
+           "asu_mixed_with_base_over_no_head", "asu_model_base_rows_over_no_head")
+    assert all(row[k] > 0 for row in json.loads((tmp_path / "a.json").read_text())["decode"] for k in asu)
     assert main(["bench", "t3", *common, "--random-model", "32,1", "64,2", "--out", str(tmp_path / "s.json")]) == 0
     models = json.loads((tmp_path / "s.json").read_text())["models"]
     assert [(m["hidden"], m["layers"]) for m in models] == [(32, 1), (64, 2)]

@@ -4,14 +4,19 @@ The weights file holds only the adapter tensors (safetensors) and metadata (`ASU
 tau, layers, rank, target modules, steps and metrics. `check_asu` refuses anything that could not attach
 exactly (a tensor that fits no module, a wrong shape or dtype, bounds, magnitudes) before the model is
 touched. Adapters are added to the served model in place (`attach`, all or nothing), so the base tensors are
-shared, never copied; rows of one batch may use different adapters (peft's `adapter_names`).
+shared, never copied; rows of one batch may use different adapters (peft's `adapter_names`). A batch whose rows
+all use one adapter decodes on the base weights with that adapter merged in (a copy of the adapted projections,
+kept for the last `LETHE_ASU_MERGED` adapters, default 1; 0: peft's plain path), so it costs what the base costs.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -162,6 +167,8 @@ def attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
 
     check_asu(name, tensors, info, projection_shapes(model), model.config.num_hidden_layers)
     wrapped = isinstance(model, PeftModel)
+    if wrapped:
+        restore_base(model)
     try:
         model = _attach(model, name, tensors, info)
     except BaseException:
@@ -228,6 +235,8 @@ def detach(model, name: str) -> None:
     from peft import PeftModel
 
     if isinstance(model, PeftModel) and name in model.peft_config:
+        restore_base(model)
+        _MERGED.get(model, {}).pop(name, None)
         model.delete_adapter(name)
         model._lethe_state = None  # deleting may change the active adapter: `adapters` sets its state again
 
@@ -236,8 +245,8 @@ def detach(model, name: str) -> None:
 def adapters(model, names: list[str] | None):
     """Rows decode with their own adapter (`__base__`: none), in one forward pass.
 
-    A batch whose rows all use one adapter, or none, takes peft's plain path: that adapter active for every row,
-    or the adapter layers switched off. Only a batch that mixes them pays for peft's per-row routing
+    A batch whose rows all use one adapter, or none, runs the base layers alone: on the base weights with that
+    adapter merged in (`_merged`), or as they are. Only a batch that mixes them pays for peft's per-row routing
     (`adapter_names`), which splits every adapted projection's input by adapter. The model keeps its last state
     (`_use`), so consecutive steps of one batch switch nothing."""
     from peft import PeftModel
@@ -259,14 +268,79 @@ MIXED = "__mixed__"
 
 
 def _use(model, state: str) -> None:
-    """Adapter layers off (`__base__`), on with one adapter active for every row, or on for per-row routing."""
+    """Adapter layers off on the base weights (`__base__`), off on the weights with one adapter merged in (or, with
+    merging off, on with that adapter active for every row), or on for per-row routing (`MIXED`)."""
     if getattr(model, "_lethe_state", None) == state:
         return
     base = model.base_model
+    if state in ("__base__", MIXED) or _keep() == 0:
+        _set_weights(model, {})
     if state == "__base__":
+        base.disable_adapter_layers()
+    elif state != MIXED and _keep() > 0:
+        _set_weights(model, _merged(model, state))
         base.disable_adapter_layers()
     else:
         base.enable_adapter_layers()
         if state != MIXED:
             base.set_adapter(state, inference_mode=True)
     model._lethe_state = state
+
+
+# Per peft model (weakly, so a deep copy of the model carries none of it): each adapted projection's own weight, the
+# one loaded, while another is swapped in; and the merged weights of the last adapters used, least recent first.
+_PRISTINE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MERGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _keep() -> int:
+    return max(0, int(os.environ.get("LETHE_ASU_MERGED", "1")))
+
+
+def _lora_layers(model, name: str | None = None) -> list:
+    from peft.tuners.lora.layer import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer) and (name is None or name in m.lora_A)]
+
+
+def _merged(model, name: str) -> dict:
+    """{projection: its base weight plus adapter `name`'s delta} for every projection the adapter changes."""
+    cache = _MERGED.setdefault(model, OrderedDict())
+    if name in cache:
+        cache.move_to_end(name)
+        return cache[name]
+    while len(cache) >= _keep():
+        cache.popitem(last=False)
+    with torch.no_grad():
+        original = _PRISTINE.get(model, {})
+        cache[name] = {m: original.get(m, m.get_base_layer().weight.data) + m.get_delta_weight(name)
+                       for m in _lora_layers(model, name)}
+    return cache[name]
+
+
+def _set_weights(model, weights: dict) -> None:
+    """The base layers' weights: `weights[m]` for the projections it names, their own for every other."""
+    original = _PRISTINE.setdefault(model, {})
+    for m in _lora_layers(model):
+        layer = m.get_base_layer()
+        if m in weights:
+            original.setdefault(m, layer.weight.data)
+            layer.weight.data = weights[m]
+        elif m in original:
+            layer.weight.data = original.pop(m)
+
+
+def unload(model):
+    """The base model out of a peft model, on its own weights: peft's `unload` would keep a merged adapter's."""
+    restore_base(model)
+    return model.unload()
+
+
+def restore_base(model) -> None:
+    """The base layers on their own weights (before the model is copied, saved, or given another adapter); the
+    next `adapters` sets its state again."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        _set_weights(model, {})
+        model._lethe_state = None

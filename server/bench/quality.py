@@ -89,7 +89,7 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
 
     from lethe.heads.asu.distill import ASUConfig, train_asu
 
-    from lethe.heads.asu.weights import attach
+    from lethe.heads.asu.weights import attach, unload
 
     cfg = cfg or EvalConfig()
     vocab = corpus_vocabulary(forget + retain)
@@ -117,7 +117,7 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
         add(f"ASU tau={tau:g} ({info.steps} steps)", dc_replace(lm, model=model), Profile(name), info.metrics["seconds"])
     add(f"ASU tau={taus[-1]:g} + T3 default", dc_replace(lm, model=model), Profile("asu+t3", head, PRESETS["default"]),
         info.metrics["seconds"] + t3_seconds)
-    model.unload()
+    unload(model)
     return rows
 
 

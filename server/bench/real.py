@@ -122,7 +122,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
     asu, asu_metrics = None, None
     if cfg.asu_tau is not None:
         from lethe.heads.asu.distill import ASUConfig, train_asu
-        from lethe.heads.asu.weights import attach
+        from lethe.heads.asu.weights import attach, unload
 
         named = [r | {"fact": r["gold"]} for r in forget_train]  # the gold is the fact the own answers must state
         tensors, asu_info = train_asu(trainer, named, retain_train, ASUConfig(
@@ -158,7 +158,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             _decode_and_score(lm, label, params, sets, variants, asu, cfg, fmt, vocab, rows, examples, log)
     finally:
         if asu is not None:
-            asu.unload()  # the base model as it was
+            unload(asu)  # the base model as it was
     if len(variants) == 1:
         examples = examples["head"]
     return {"model": shown_path(lm.path), "fingerprint": lm.fingerprint, "format": fmt, "config": asdict(cfg),

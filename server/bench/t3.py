@@ -72,7 +72,8 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
     """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8.
 
     With `asu_model` (the same base with an adapter `asu_bench` attached), also with the ASU adapter, alone
-    and with the head, a batch mixing adapter and base rows, and base rows alone on that model."""
+    (merged into the base weights; unmerged; routed per row) and with the head, a batch mixing adapter and base
+    rows, and base rows alone on that model."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     settings = settings or TiltSettings()
@@ -92,6 +93,8 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
                          "asu_t3": lambda: generate(asu_model, tok, ps, params, guide, adapters=names),
                          "asu_mixed_with_base": lambda: generate(asu_model, tok, ps, params, adapters=mixed),
                          "asu_per_row_routing": lambda: _routed(asu_model, names, lambda: generate(
+                             asu_model, tok, ps, params)),
+                         "asu_unmerged": lambda: _unmerged(asu_model, lambda: generate(
                              asu_model, tok, ps, params, adapters=names)),
                          # what a tenant without ASU pays once some adapter is attached to the served model
                          "asu_model_base_rows": lambda: generate(asu_model, tok, ps, params,
@@ -105,7 +108,8 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
                "t3_tensor_ops_over_no_head": _paired_ratio(runs, "t3_tensor_ops", "no_head"),
                "t3_ms_per_token": round((t["t3"] - t["no_head"]) / new_tokens * 1e3, 3),
                "no_head_ms_per_token": round(t["no_head"] / new_tokens * 1e3, 3)}
-        for k in ("asu", "asu_t3", "asu_mixed_with_base", "asu_model_base_rows", "asu_per_row_routing"):
+        for k in ("asu", "asu_t3", "asu_mixed_with_base", "asu_model_base_rows", "asu_per_row_routing",
+                  "asu_unmerged"):
             if k in runs:
                 row[f"{k}_over_no_head"] = _paired_ratio(runs, k, "no_head")
         rows.append(row)
@@ -113,9 +117,33 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
 
 
 def _routed(model, names: list[str], run: Callable[[], object]) -> object:
-    """`run` with peft's per-row routing for every batch, as the release before served even a one-adapter batch."""
+    """`run` (which leaves the adapter state as it finds it) with peft's per-row routing on the base weights for
+    every batch, as the release of two before served even a one-adapter batch."""
+    from lethe.heads.asu.weights import MIXED, _use
+
+    _use(model, MIXED)
     with model.base_model._enable_peft_forward_hooks(adapter_names=names):
         return run()
+
+
+def _unmerged(model, run: Callable[[], object]) -> object:
+    """`run` with a one-adapter batch on peft's plain path (`LETHE_ASU_MERGED=0`: the adapter's layers beside the
+    base ones), as the release before served it."""
+    import os
+
+    from lethe.heads.asu.weights import restore_base
+
+    before = os.environ.get("LETHE_ASU_MERGED")
+    os.environ["LETHE_ASU_MERGED"] = "0"
+    restore_base(model)  # the adapter's state is set again, unmerged
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ["LETHE_ASU_MERGED"]
+        else:
+            os.environ["LETHE_ASU_MERGED"] = before
+        restore_base(model)
 
 
 class _PassThrough:

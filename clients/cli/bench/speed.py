@@ -110,7 +110,8 @@ def _print_bench_decode(rows: list[dict]) -> None:
                   f"ASU + T3 = {row['asu_t3_over_no_head']:.3f}x, "
                   f"half ASU rows, half base rows = {row['asu_mixed_with_base_over_no_head']:.3f}x, "
                   f"base rows on the adapted model = {row['asu_model_base_rows_over_no_head']:.3f}x, "
-                  f"ASU with per-row routing (the release before) = {row['asu_per_row_routing_over_no_head']:.3f}x")
+                  f"ASU unmerged (the release before) = {row['asu_unmerged_over_no_head']:.3f}x, "
+                  f"ASU with per-row routing = {row['asu_per_row_routing_over_no_head']:.3f}x")
 
 
 def cmd_bench_engine(args) -> int:
