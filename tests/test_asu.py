@@ -205,3 +205,38 @@ def test_a_jobs_copy_of_the_served_model_is_the_base_after_a_merged_batch(distil
         assert again.token_ids == tilted.token_ids  # serving goes on with the adapter
     finally:
         engine.close()
+
+
+def test_lora_in_chosen_layers_only_trains_saves_checks_and_serves(tiny_model_dir, tiny_records, tmp_path):
+    """ASUConfig.lora_layers: adapters in those layers only; the file holds their tensors alone, is checked
+    against them, and serves; a file naming a layer the model lacks is refused."""
+    from dataclasses import replace
+
+    lm = load_model(tiny_model_dir)
+    forget, retain = split_by_author(tiny_records, 1)
+    tensors, info = train_asu(lm, forget, retain, ASUConfig(tau=16.0, steps=4, check_every=2, lora_layers="1"),
+                              progress=False)
+    assert info.lora_layers == [1] and tensors and all(".layers.1." in k for k in tensors)
+    save_asu(tmp_path / "a.safetensors", tensors, info)
+    loaded, info2 = load_asu(tmp_path / "a.safetensors", lm.fingerprint)
+    assert info2.lora_layers == [1] and loaded.keys() == tensors.keys()
+    from lethe.heads.asu.weights import adapters
+
+    ids = lm.tokenizer(question_prompt(forget[0]["question"]), return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        plain = lm.model(ids).logits
+    model = attach(lm.model, "one_layer", loaded, info2)
+    try:
+        assert not hasattr(model.base_model.model.model.layers[0].self_attn.q_proj, "lora_A")
+        assert hasattr(model.base_model.model.model.layers[1].self_attn.q_proj, "lora_A")
+        with torch.no_grad(), adapters(model, ["one_layer"]):
+            served = model(ids).logits
+        assert not torch.allclose(served, plain, atol=1e-4)  # the trained layer-1 adapter changes the answer
+    finally:
+        base = unload(model)
+    with pytest.raises(HeadFileError, match="lora_layers"):
+        attach(base, "bad", loaded, replace(info2, lora_layers=[7]))
+    with pytest.raises(HeadFileError, match="fit no module"):
+        attach(base, "bad", tensors | {k.replace(".layers.1.", ".layers.0."): v for k, v in tensors.items()}, info2)
+    with pytest.raises(ValueError, match="lora_layers"):
+        train_asu(lm, forget, retain, ASUConfig(steps=1, lora_layers="5"), progress=False)

@@ -34,6 +34,7 @@ class ASUConfig:
     lora_alpha: int = 16
     target_modules: tuple[str, ...] = TARGETS
     full_layers: str | None = None  # "0-1": train these layers' projections fully instead of LoRA adapters
+    lora_layers: str | None = None  # "20-29": LoRA adapters in these layers only (None: every layer)
     retain_loss: str = "gd"  # gd | kl
     retain_weight: float = 1.0
     lr: float = 2e-3
@@ -215,6 +216,11 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     teacher = forget_targets(model, tok, fx, forget, cfg, layers, device)
     info = ASUInfo(base_fingerprint=lm.fingerprint, tau=cfg.tau, layers=layers, lora_rank=cfg.lora_rank,
                    lora_alpha=cfg.lora_alpha, target_modules=list(cfg.target_modules), training=asdict(cfg))
+    if cfg.lora_layers is not None:
+        try:
+            info.lora_layers = parse_layers(cfg.lora_layers, model.config.num_hidden_layers)
+        except ValueError as e:
+            raise ValueError(f"lora_{e}") from None
     if cfg.full_layers is not None:
         info.mode = "full"
         info.full_layers = parse_layers(cfg.full_layers, model.config.num_hidden_layers)

@@ -42,6 +42,7 @@ class ASUInfo:
     target_modules: list[str]
     mode: str = "lora"  # lora | full (the changed projection weights, as deltas)
     full_layers: list[int] = field(default_factory=list)
+    lora_layers: list[int] = field(default_factory=list)  # the layers LoRA adapts; empty: every layer
     steps: int = 0
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
@@ -54,7 +55,7 @@ def lora_config(info: ASUInfo):
     from peft import LoraConfig
 
     return LoraConfig(r=info.lora_rank, lora_alpha=info.lora_alpha, target_modules=list(info.target_modules),
-                      lora_dropout=0.0, bias="none")
+                      layers_to_transform=list(info.lora_layers) or None, lora_dropout=0.0, bias="none")
 
 
 def save_asu(path: Path, tensors: dict[str, torch.Tensor], info: ASUInfo) -> None:
@@ -93,7 +94,7 @@ def expected_tensors(info: ASUInfo, shapes: dict[str, tuple[int, int]]) -> dict[
         if info.mode == "full":
             if layer(name) in info.full_layers:
                 out[f"{name}.delta"] = (n_out, n_in)
-        else:
+        elif not info.lora_layers or layer(name) in info.lora_layers:
             out[f"base_model.model.{name}.lora_A.weight"] = (info.lora_rank, n_in)
             out[f"base_model.model.{name}.lora_B.weight"] = (n_out, info.lora_rank)
     return out
@@ -120,7 +121,7 @@ def check_asu(path, tensors: dict[str, torch.Tensor], info: ASUInfo, shapes: dic
         raise HeadFileError(f"{path}: metadata tau: must be in (1, 1000], got {info.tau}")
     if not info.target_modules or not set(info.target_modules) <= set(TARGETS):
         raise HeadFileError(f"{path}: metadata target_modules: must be a non-empty subset of {list(TARGETS)}")
-    for name in ("layers", "full_layers"):
+    for name in ("layers", "full_layers", "lora_layers"):
         bad = [i for i in getattr(info, name) if not 0 <= i < n_layers]
         if bad:
             raise HeadFileError(f"{path}: metadata {name}: layers {bad[:3]} do not exist (the model has {n_layers})")

@@ -56,6 +56,7 @@ class RealBenchConfig:
     asu_own_answers: bool = False  # distil along the model's own answers (ASUConfig.own_answers)
     asu_retain_own_answers: bool = False  # the KL retain loss along the model's own retain answers
     asu_distil: str = "answer"  # where the student follows the teacher (ASUConfig.distil): answer | fact
+    asu_lora_layers: str | None = None  # the layers ASU's LoRA adapts (None: all)
 
 
 def fluency(answers: list[str], vocab) -> dict:
@@ -128,7 +129,8 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
         tensors, asu_info = train_asu(trainer, named, retain_train, ASUConfig(
             tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
             retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
-            retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, format=cfg.fit.format),
+            retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
+            format=cfg.fit.format),
             progress=False)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
         log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
