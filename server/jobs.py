@@ -365,13 +365,24 @@ class JobRunner:
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
-        progress = self._progress(job_id, cancel, {"copying": (0.0, 0.05), "distilling": (0.05, 0.95)})
+        progress = self._progress(job_id, cancel, {"copying": (0.0, 0.05), "teacher": (0.05, 0.2),
+                                                   "distilling": (0.2, 0.95)})
         progress("copying", 0.0)
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
         cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
-                                                   "retain_weight", "lr", "steps", "seed", "format") if k in params})
+                                                   "retain_weight", "lr", "steps", "seed", "format")
+                           if params.get(k) is not None})
+        teacher = None
+        if params.get("tau") is None:
+            from lethe.heads.asu.teacher import choose_teacher
+
+            progress("teacher", 0.0)
+            cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format,
+                                                          on_progress=lambda f: progress("teacher", f))
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
                                   on_progress=lambda f: progress("distilling", f))
+        if teacher is not None:
+            info.metrics["teacher"] = teacher
         del lm
         if cancel.is_set():
             raise Cancelled()

@@ -156,8 +156,12 @@ class HeadJobRequest(Strict):
 class ASUJobRequest(Strict):
     forget: str = Field(description="Dataset id of the forget set.")
     retain: str = Field(description="Dataset id of the retain set.")
-    tau: float = Field(16.0, gt=1, le=1000, allow_inf_nan=False, description="Teacher attention temperature.")
-    layers: str | None = Field(None, pattern=r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$", description="e.g. 0-1,3")
+    tau: float | None = Field(None, gt=1, le=1000, allow_inf_nan=False, description=(
+        "Teacher attention temperature. Omitted: the job's teacher phase measures the candidates (`lethe asu "
+        "teacher`) on the forget set's question/answer records and takes its pick, with its layers unless "
+        "`layers` is given; 16 on the given (or every) layer where no candidate qualifies."))
+    layers: str | None = Field(None, pattern=r"^(all|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+                               description="Layers the teacher tempers, e.g. 0-1,3 (default: all, or the pick's).")
     lora_rank: int = Field(8, ge=1, le=256)
     full_layers: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
                                     description="Train these layers' projections in full instead of LoRA.")

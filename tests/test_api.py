@@ -378,6 +378,9 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     weights = state["weights"]
     info = a.get(f"/v1/asu/{weights}").json()
     assert info["layers"] == [0, 1] and info["bytes"] > 0
+    # no tau asked: the job's teacher phase chose it, among candidates on the layers asked for, and says why
+    teacher = info["metrics"]["teacher"]
+    assert teacher["chosen"] == {"tau": info["tau"], "layers": "0-1"} and teacher["reason"]
     prof = a.put("/v1/profiles/asu", json={"backend": "asu", "weights": weights}).json()
     assert prof["spec"] == {"backend": "asu", "weights": weights}
     both = a.put("/v1/profiles/asu-t3", json={"backend": "asu", "weights": weights, "head": tenant_a["head"]}).json()

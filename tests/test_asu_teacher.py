@@ -142,3 +142,22 @@ def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the
     assert torch.equal(fact[1], answer[1])
     with pytest.raises(ValueError, match="distil"):
         train_asu(tiny_lm, records[:1], records[:1], ASUConfig(distil="tokens"), progress=False)
+
+
+def test_without_a_tau_the_teacher_is_the_diagnostics_pick_or_the_fallback_with_its_reason(tiny_lm, tiny_records):
+    """What an ASU job (and `lethe asu train`) distils from when no tau is asked: the pick among candidates (on the
+    layers asked for), or tau 16 where the forget set gives the diagnostic nothing to measure."""
+    from lethe.heads.asu.teacher import choose_teacher
+
+    forget, _ = split_by_author(tiny_records, 1)
+    tau, layers, report = choose_teacher(tiny_lm, forget, "1", "qa")
+    settings = report.get("settings", [])
+    assert report["chosen"] == {"tau": tau, "layers": layers or "all"} and report["reason"]
+    assert all(s["layers"] == "1" for s in settings)  # only the layers asked for were measured
+    if report["pick"] is not None:
+        assert (report["pick"]["tau"], report["pick"]["layers"]) == (tau, layers)
+        assert report["pick"]["fact_flips"] >= 0.5
+    else:
+        assert tau == 16.0 and layers == "1"
+    tau, layers, report = choose_teacher(tiny_lm, [{"text": r["answer"]} for r in forget], None, "qa")
+    assert (tau, layers) == (16.0, None) and "question/answer" in report["reason"]

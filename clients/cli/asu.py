@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from lethe.clients.cli.common import (_add_format_arg, _add_model_args, _add_resource_commands, _modes,
@@ -21,8 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--forget", required=True, help="JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--retain", required=True, help="JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
-    p.add_argument("--tau", type=float, default=16.0, help="attention temperature of the teacher (default 16)")
-    p.add_argument("--layers", default=None, help="layers to temper, e.g. 0-1,3 (default: all)")
+    p.add_argument("--tau", type=float, default=None, help="attention temperature of the teacher (default: the "
+                   "pick of `lethe asu teacher` on the forget set, with its layers unless --layers is given; 16 "
+                   "where no candidate qualifies)")
+    p.add_argument("--layers", default=None, help="layers to temper, e.g. 0-1,3 (default: all, or the pick's)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--full-layers", default=None,
                    help="train these layers' projections in full instead of LoRA adapters, e.g. 0-1 "
@@ -63,15 +66,27 @@ def cmd_asu_train(args) -> int:
     from lethe.heads.asu.weights import save_asu
 
     lm, forget, retain = _offline_inputs(args, "asu train")
-    cfg = ASUConfig(tau=args.tau, layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
+    cfg = ASUConfig(layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
                     retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
+    teacher = None
+    if args.tau is None:
+        from lethe.heads.asu.teacher import choose_teacher
+
+        cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format)
+        if not args.quiet:
+            print(f"teacher: tau {cfg.tau:g} on layers {cfg.layers or 'all'} ({teacher['reason']})", file=sys.stderr)
+    else:
+        cfg.tau = args.tau
     tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
+    if teacher is not None:
+        info.metrics["teacher"] = teacher
     save_asu(args.out, tensors, info)
     base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size,
                       "share_of_base": round(args.out.stat().st_size / max(1, base_bytes), 4), "steps": info.steps,
-                      **{k: v for k, v in info.metrics.items() if k != "forget_kl_history"}}))
+                      "tau": info.tau, "layers": info.layers,
+                      **{k: v for k, v in info.metrics.items() if k not in ("forget_kl_history", "teacher")}}))
     return 0
 
 

@@ -142,10 +142,11 @@ def _knows(base: torch.Tensor, roles: list[str | None], known_logprob: float) ->
 
 
 def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None, limit: int | None = 64,
-             fmt: str = "auto", known_logprob: float = math.log(0.3)) -> list[Setting]:
+             fmt: str = "auto", known_logprob: float = math.log(0.3), on_progress=None) -> list[Setting]:
     """The drops of every candidate (tau, layers) along the facts the model knows among the first `limit`
     question/answer records of `forget` (`own_answers`), whose content tokens the base model gives a mean
-    log-probability of at least `known_logprob`; each setting's `records` says how many."""
+    log-probability of at least `known_logprob`; each setting's `records` says how many. `on_progress(fraction)`
+    is called after each setting (a job's cancellation point)."""
     model, tok = lm.model, lm.tokenizer
     qa = [r for r in forget if "question" in r and "answer" in r][:limit]
     if not qa:
@@ -181,6 +182,8 @@ def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None,
             o = statistics.fmean(other) if other else 0.0
             results.append(Setting(tau, layers, round(c, 3), round(o, 3), round(c / max(o, 0.01), 2), len(exs),
                                    *_flips(base_top, list(teacher_top), roles)))
+            if on_progress is not None:
+                on_progress(len(results) / (len(groups) * len(taus)))
     return results
 
 
@@ -198,3 +201,24 @@ def report(settings: list[Setting], min_drop: float = 1.0, min_flips: float = 0.
     chosen = pick(settings, min_drop, min_flips)
     return {"settings": [asdict(s) for s in settings], "min_drop": min_drop, "min_flips": min_flips,
             "pick": asdict(chosen) if chosen else None}
+
+
+def choose_teacher(lm, forget: list[dict], layers: str | None = None, fmt: str = "auto", fallback: float = 16.0,
+                   on_progress=None) -> tuple[float, str | None, dict]:
+    """The teacher an ASU job distils from when its request names no tau: `pick` over `diagnose`'s candidates on
+    the forget set (in `layers` only, where given). Where no candidate qualifies, or the forget set has no
+    question/answer record whose facts the model knows, `fallback` on `layers` (None: every layer). Returns (tau,
+    layers, the diagnostic's report with what was chosen and why)."""
+    try:
+        settings = diagnose(lm, forget, groups=[layers] if layers is not None else None, fmt=fmt,
+                            on_progress=on_progress)
+    except ValueError as e:
+        return fallback, layers, {"pick": None, "chosen": {"tau": fallback, "layers": layers or "all"},
+                                  "reason": str(e)}
+    out = report(settings)
+    chosen = pick(settings)
+    if chosen is None:
+        return fallback, layers, out | {"chosen": {"tau": fallback, "layers": layers or "all"},
+                                        "reason": "no candidate flips enough of the facts"}
+    return chosen.tau, None if chosen.layers == "all" else chosen.layers, \
+        out | {"chosen": {"tau": chosen.tau, "layers": chosen.layers}, "reason": "the diagnostic's pick"}
