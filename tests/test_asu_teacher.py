@@ -65,6 +65,16 @@ def test_cli_asu_teacher_prints_each_setting_and_the_pick(tiny_model_dir, sets, 
     assert lines[-1]["pick"] is not None and json.loads(out.read_text())["pick"] == lines[-1]["pick"]
 
 
+def test_the_forget_kl_is_measured_where_training_ended(tiny_lm, tiny_records):
+    """A run whose last steps come after its last check still reports the KL after them (a 20-step job reported
+    its start as its end, as if nothing had moved)."""
+    forget, retain = split_by_author(tiny_records, 1)
+    _, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=16.0, steps=5, check_every=25), progress=False)
+    history = info.metrics["forget_kl_history"]
+    assert [s for s, _ in history] == [0, 5] and info.metrics["forget_kl_end"] == round(history[-1][1], 4)
+    assert info.metrics["forget_kl_end"] < info.metrics["forget_kl_start"]
+
+
 def test_kl_retain_loss_trains(tiny_lm, tiny_records):
     """The KL retain loss (to the original model) runs: it used to fail on its first step."""
     forget, retain = split_by_author(tiny_records, 1)

@@ -278,6 +278,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                     stale += 1
                     if stale >= cfg.patience:
                         break
+        if history[-1][0] != step + 1:  # the last steps came after the last check: measure where training ended
+            history.append((step + 1, full_forget_kl()))
         peft_model.eval()
         tensors = student.tensors()
     finally:
