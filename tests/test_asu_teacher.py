@@ -136,13 +136,13 @@ def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the
     records = [{"question": "Where was Ada born?", "answer": "Ada was born in Paris.", "fact": "Paris"},
                {"text": "Ada was born in Paris."}]
     exs = [qa_example(records[0]["question"], records[0]["answer"], "qa", tok), Example("", records[1]["text"])]
-    masks = fact_masks(tok, exs, records)
-    ids = tok(exs[0].completion, add_special_tokens=False)["input_ids"]
-    assert len(masks[0]) == len(ids) + 1  # the answer's tokens and the end of text
-    assert tok.decode([i for i, m in zip(ids, masks[0]) if m]).strip() == "Paris" and not masks[0][-1]
-    assert bool(masks[1].all())
     layers = list(range(tiny_lm.model.config.num_hidden_layers))
     answer = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=16.0), layers, tiny_lm.device)
+    ids = tok(exs[0].completion, add_special_tokens=False)["input_ids"]
+    assert len(answer[0]) == len(ids) + 1  # a target per answer token and the end of text
+    masks = fact_masks(tok, exs, records, [len(t) for t in answer])
+    assert tok.decode([i for i, m in zip(ids, masks[0]) if m]).strip() == "Paris" and not masks[0][-1]
+    assert bool(masks[1].all())
     fact = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=16.0, distil="fact"), layers, tiny_lm.device)
     original = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=1.0), layers, tiny_lm.device)
     m = masks[0]

@@ -98,18 +98,17 @@ def forget_targets(model, tok, exs: list[Example], records: list[dict], cfg: ASU
     if cfg.distil == "answer":
         return teacher
     original = _targets(model, tok, exs, device, nullcontext)
-    return [torch.where(m[:, None].to(t.device), t, o) for t, o, m in zip(teacher, original, fact_masks(tok, exs, records))]
+    masks = fact_masks(tok, exs, records, [len(t) for t in teacher])
+    return [torch.where(m[:, None].to(t.device), t, o) for t, o, m in zip(teacher, original, masks)]
 
 
-def fact_masks(tok, exs: list[Example], records: list[dict]) -> list[torch.Tensor]:
-    """Per example, which answer positions predict a token of its fact (`distil="fact"`); a record without a
-    question and an answer (a bare text) is all fact."""
+def fact_masks(tok, exs: list[Example], records: list[dict], sizes: list[int]) -> list[torch.Tensor]:
+    """Per example, which of its `size` answer positions predict a token of its fact (`distil="fact"`); a record
+    without a question and an answer (a bare text) is all fact."""
     from lethe.heads.asu.teacher import token_roles
 
     masks = []
-    for ex, r in zip(exs, records):
-        ids, n_prompt = encode_example(tok, ex)
-        size = len(ids) - n_prompt
+    for ex, r, size in zip(exs, records, sizes):
         if "question" in r and "answer" in r:
             roles = token_roles(tok, ex, str(r["answer"]).strip(), r.get("fact"))
             fact = [role == "content" for role in roles][:size]

@@ -274,12 +274,9 @@ def _use(model, state: str) -> None:
     if getattr(model, "_lethe_state", None) == state:
         return
     base = model.base_model
-    if state in ("__base__", MIXED) or _keep() == 0:
-        _set_weights(model, {})
-    if state == "__base__":
-        base.disable_adapter_layers()
-    elif state != MIXED and _keep() > 0:
-        _set_weights(model, _merged(model, state))
+    merge = state not in ("__base__", MIXED) and _keep() > 0
+    _set_weights(model, _merged(model, state) if merge else {})
+    if state == "__base__" or merge:
         base.disable_adapter_layers()
     else:
         base.enable_adapter_layers()
