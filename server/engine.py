@@ -268,7 +268,8 @@ class Engine:
             self.metrics.batch_size.observe(len(group))
             self._fresh.update((id(p), p) for p in group)
         guide = HeadGuide([p.row for p in group]) if any(p.row for p in group) else None
-        adapters = [p.adapter or "__base__" for p in group] if _is_peft(self.lm.model) else None
+        adapters = [p.adapter or "__base__" for p in group] \
+            if _is_peft(self.lm.model) or any(p.adapter for p in group) else None  # llama.cpp: where rows use one
         return Batch(self.decoder or self.lm.model, self.tokenizer, [p.prompt for p in group],
                      [p.params for p in group], guide, adapters)
 

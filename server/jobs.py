@@ -369,8 +369,9 @@ class JobRunner:
                                                    "distilling": (0.2, 0.95)})
         progress("copying", 0.0)
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
-        cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "retain_loss",
-                                                   "retain_weight", "lr", "steps", "seed", "format")
+        cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "lora_layers",
+                                                   "retain_loss", "retain_weight", "lr", "steps", "seed", "format",
+                                                   "own_answers", "retain_own_answers", "distil")
                            if params.get(k) is not None})
         teacher = None
         if params.get("tau") is None:

@@ -92,18 +92,25 @@ class AdapterCache:
         self._attaching = threading.Lock()
 
     def load(self, weights_id: str):
-        """(tensors, info) of stored weights, checked against this model; ProfileError otherwise."""
+        """(tensors, info) of stored weights, checked against this model and this server's engine; ProfileError
+        otherwise."""
         from lethe.heads.asu.weights import load_asu
 
-        return load_stored(self.store, "asu_weights", weights_id, "weights", "ASU weights",
-                           lambda path: load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers))
+        def check(path):
+            tensors, info = load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers)
+            if self.engine.decoder is not None:  # llama.cpp: a LoRA file it can read, or a 422 now
+                from lethe.heads.asu.gguf import lora_tensors
+
+                try:
+                    lora_tensors(tensors, info, self.engine.lm.model.config)
+                except HeadFileError as e:  # the weights are sound; this engine cannot serve them
+                    raise ProfileError(422, "weights", f"this server decodes with llama.cpp (engine llamacpp): {e}")
+            return tensors, info
+
+        return load_stored(self.store, "asu_weights", weights_id, "weights", "ASU weights", check)
 
     def check(self, tenant_id: str, weights_id: str) -> None:
-        """404 unless the tenant has these weights (for a spec that is stored, not used yet); 422 where this
-        server's engine cannot decode with them."""
-        if self.engine.decoder is not None:
-            raise ProfileError(422, "backend", "this server decodes with llama.cpp (engine llamacpp), which does not "
-                                               "serve ASU adapters; use a T3 head, or a server with engine torch")
+        """404 unless the tenant has these weights (for a spec that is stored, not used yet)."""
         if self.store.get("asu_weights", tenant_id, weights_id) is None:
             raise ProfileError(404, "weights", f"ASU weights {weights_id!r} not found")
 
@@ -112,6 +119,7 @@ class AdapterCache:
 
         `_attaching` serialises attaches (and is held while the engine thread attaches); `_lock` guards the
         tables and is only ever held briefly, so `release`, which may run in the engine thread, never waits."""
+        from lethe.heads.asu.gguf import add_to_llama_cpp
         from lethe.heads.asu.weights import attach
 
         self.check(tenant_id, weights_id)
@@ -129,7 +137,10 @@ class AdapterCache:
                 def add():
                     for _, old_name in evict:
                         self._detach_now(old_name)
-                    self.engine.replace_model(attach(self.engine.lm.model, name, tensors, info))
+                    if self.engine.decoder is not None:
+                        add_to_llama_cpp(self.engine.decoder, name, tensors, info, self.engine.lm.model.config)
+                    else:
+                        self.engine.replace_model(attach(self.engine.lm.model, name, tensors, info))
 
                 try:
                     self.engine.control(add).result(timeout=600)
@@ -161,7 +172,10 @@ class AdapterCache:
     def _detach_now(self, name: str) -> None:
         from lethe.heads.asu.weights import detach
 
-        detach(self.engine.lm.model, name)
+        if self.engine.decoder is not None:
+            self.engine.decoder.remove_adapter(name)
+        else:
+            detach(self.engine.lm.model, name)
 
     def drop(self, weights_id: str) -> None:
         """Weights were deleted: detach them now, or when the last request using them ends."""

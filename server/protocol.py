@@ -165,6 +165,18 @@ class ASUJobRequest(Strict):
     lora_rank: int = Field(8, ge=1, le=256)
     full_layers: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
                                     description="Train these layers' projections in full instead of LoRA.")
+    lora_layers: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+                                    description="Put the LoRA adapters in these layers only, e.g. 20-29 (default: "
+                                                "every layer).")
+    own_answers: bool = Field(False, description=(
+        "Distil along the model's own greedy answers to the forget questions where they state the record's "
+        "`fact` (records without a `fact` keep their answer; those whose own answer lacks it are left out)."))
+    retain_own_answers: bool = Field(False, description=(
+        "Hold the student to the original model along its own greedy answers to the retain questions; needs "
+        "`retain_loss` kl."))
+    distil: Literal["answer", "fact"] = Field("answer", description=(
+        "Where the student follows the teacher along a forget answer: `answer`, every token (the paper); `fact`, "
+        "the fact's tokens only, the original model at the others."))
     retain_loss: Literal["gd", "kl"] = "gd"
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)
@@ -196,6 +208,8 @@ class ASUOut(BaseModel):
     tau: float
     layers: list[int]
     lora_rank: int
+    lora_layers: list[int] = Field(default_factory=list, description="The layers the LoRA adapters are in (empty: "
+                                                                      "every layer).")
     steps: int
     metrics: dict
     sha256: str | None = Field(None, description="sha256 of the weights file (the same content is stored once).")

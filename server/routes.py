@@ -192,12 +192,17 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
 
     _check_datasets(request, tenant_id, body)
     n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
-    for field in ("layers", "full_layers"):
+    for field in ("layers", "full_layers", "lora_layers"):
         try:
-            if field == "layers" or body.full_layers is not None:
+            if field == "layers" or getattr(body, field) is not None:
                 parse_layers(getattr(body, field), n_layers)
         except ValueError as e:
             raise field_error(field, str(e)) from None
+    if body.lora_layers is not None and body.full_layers is not None:
+        raise field_error("lora_layers", "lora_layers places LoRA adapters; full_layers trains projections in full "
+                                         "instead: give one of them")
+    if body.retain_own_answers and body.retain_loss != "kl":
+        raise field_error("retain_own_answers", "needs retain_loss kl (gd would teach the model its own answers)")
     return _submit(request, tenant_id, "asu", body.model_dump())
 
 
@@ -231,7 +236,8 @@ def evaluate(body: EvalJobRequest, request: Request, tenant_id: str = Depends(te
 def _asu_out(w: dict) -> ASUOut:
     info = json.loads(w["info"])
     return ASUOut(id=w["id"], job=w["job_id"], bytes=w["bytes"], created=w["created"], tau=info["tau"],
-                  layers=info["layers"], lora_rank=info["lora_rank"], steps=info["steps"], metrics=info["metrics"],
+                  layers=info["layers"], lora_rank=info["lora_rank"], lora_layers=info.get("lora_layers", []),
+                  steps=info["steps"], metrics=info["metrics"],
                   sha256=w.get("sha256"))
 
 

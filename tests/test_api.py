@@ -398,8 +398,17 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     full = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 10, "full_layers": "1"})
     assert full.status_code == 202
     assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "full_layers": "5"}).status_code == 422
+    # the distillation's other settings: LoRA in chosen layers, own answers, the KL retain loss along them
+    tuned = {"forget": forget_id, "retain": retain_id, "steps": 5, "tau": 4, "lora_layers": "1", "own_answers": True,
+             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact"}
+    for wrong, field in (({"lora_layers": "5"}, "lora_layers"), ({"full_layers": "1"}, "lora_layers"),
+                         ({"retain_loss": "gd"}, "retain_own_answers"), ({"distil": "word"}, "distil")):
+        refused = a.post("/v1/asu", json=tuned | wrong)
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field, refused.text
+    tuned = _wait_job(a, a.post("/v1/asu", json=tuned).json()["id"])
     state = _wait_job(a, full.json()["id"])
-    assert state["status"] == "succeeded", state
+    assert state["status"] == tuned["status"] == "succeeded", (state, tuned)
+    assert a.get(f"/v1/asu/{tuned['weights']}").json()["lora_layers"] == [1]
     a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
     with ThreadPoolExecutor(3) as pool:  # rows of a LoRA adapter, a full-layer adapter and the base in one batch
         outs = list(pool.map(lambda p: _ask(a, [rec], p)[0], ["asu", "full", None]))

@@ -3,8 +3,11 @@ a row decodes in a batch as it would alone, heads tilt per row, sequences are fr
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
+import torch
 
 from conftest import REAL_GGUF, require_llama_cpp
 from test_real_model import CAPITALS, _capital_records
@@ -108,7 +111,8 @@ def test_a_head_hides_its_capitals_on_llama_cpp_and_keeps_the_others(real_lm, ll
 
 def test_the_server_decodes_with_llama_cpp(real_lm, llama, capitals_head, tmp_path):
     """`lethe serve --engine llamacpp`: a tenant's profile tilts its own answers and no one else's, streams work,
-    the context is llama.cpp's, and an ASU profile is refused naming the backend."""
+    the context is llama.cpp's, an ASU profile's adapter changes its tenant's answers alone, and ASU weights
+    llama.cpp cannot apply (mode full) are refused naming them."""
     from lethe.heads.t3.head import HeadInfo, save_head
 
     from live_server import new_tenant, running_server
@@ -138,8 +142,32 @@ def test_the_server_decodes_with_llama_cpp(real_lm, llama, capitals_head, tmp_pa
         assert version["max_model_len"] == 256 and version["engine"] == "llamacpp"
         long = alice.post("/generate", json={"prompt": "word " * 300, "max_new_tokens": 4})
         assert long.status_code == 422 and "256" in long.text
-        asu = alice.put("/v1/profiles/asu", json={"backend": "asu", "weights": "asu_missing"})
-        assert asu.status_code == 422 and "llama.cpp" in asu.text and asu.json()["detail"][0]["loc"][-1] == "backend"
+        # ASU on llama.cpp: alice's adapter changes her answers and no one else's, in one batch or apart
+        from dataclasses import replace
+
+        from lethe.heads.asu.weights import expected_tensors, projection_shapes, save_asu
+
+        tensors, info = _random_asu(real_lm, ("q_proj", "k_proj", "v_proj", "o_proj"), scale=0.08)
+        save_asu(tmp_path / "asu.safetensors", tensors, info)
+        weights = alice.post("/v1/asu/upload", files={"file": ("w", (tmp_path / "asu.safetensors").read_bytes())})
+        assert weights.status_code == 201, weights.text
+        assert alice.put("/v1/profiles/asu", json={"backend": "asu", "weights": weights.json()["id"]}).status_code == 200
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda call: call[0].post("/v1/chat/completions", json={**question, **call[1]}),
+                                    [(alice, {"model": "asu"}), (bob, {"model": "base"}), (alice, {"model": "asu"}),
+                                     (alice, {"model": "forget"})]))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert answer(answers[0].json()) == answer(answers[2].json()) != answer(base), answer(answers[0].json())
+        assert answer(answers[1].json()) == answer(base) and answer(answers[3].json()) == answer(tilted)
+        # weights that change the projections themselves (mode full) are no LoRA adapter: refused, naming them
+        full = replace(info, mode="full", full_layers=[29])
+        save_asu(tmp_path / "full.safetensors", {n: torch.zeros(s) for n, s in expected_tensors(
+            full, projection_shapes(real_lm.model)).items()}, full)
+        weights = alice.post("/v1/asu/upload", files={"file": ("w", (tmp_path / "full.safetensors").read_bytes())})
+        assert weights.status_code == 201, weights.text
+        refused = alice.put("/v1/profiles/full", json={"backend": "asu", "weights": weights.json()["id"]})
+        assert refused.status_code == 422 and "llama.cpp" in refused.text, refused.text
+        assert refused.json()["detail"][0]["loc"][-1] == "weights"
 
 
 def test_bench_engine_times_the_llama_cpp_engine_beside_llama_cpp(llama, tmp_path):
@@ -208,3 +236,102 @@ def test_the_gguf_file_must_be_the_models_own(real_lm, llama, tmp_path):
         open_gguf(dataclasses.replace(real_lm, path=old), other, 1, 64)
     with pytest.raises(ValidationError, match="give engine llamacpp"):
         Settings(gguf=REAL_GGUF)
+
+
+def _random_asu(lm, targets, layers=range(20, 30), scale=0.05, seed=0):
+    """(tensors, info) of an ASU LoRA adapter with random A and B, large enough to change answers."""
+    import torch
+
+    from lethe.heads.asu.weights import ASUInfo, expected_tensors, projection_shapes
+
+    info = ASUInfo(base_fingerprint=lm.fingerprint, tau=2.0, layers=list(layers), lora_rank=8, lora_alpha=16,
+                   target_modules=list(targets), lora_layers=list(layers))
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * scale
+            for n, s in expected_tensors(info, projection_shapes(lm.model)).items()}, info
+
+
+@pytest.mark.parametrize("targets, scale", [(("q_proj", "k_proj"), 0.15), (("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_proj", "up_proj", "down_proj"), 0.05)])
+def test_an_asu_adapter_moves_llama_cpp_as_it_moves_torch(real_lm, llama, targets, scale):
+    """An ASU adapter written as llama.cpp's LoRA GGUF file (query and key rows permuted as the GGUF base holds
+    them) moves llama.cpp's next-token logits as it moves the transformers model's: the two shifts point the same
+    way (cosine > 0.95) and are of one size (within 15%), while the two bases differ by less than the shift.
+    (Measured: cosine 0.997-0.999 on the query and key adapter; 0.48-0.74 with its rows left unpermuted. An
+    adapter whose shift is no larger than the 4-bit base's own difference from float32 cannot be told apart.)"""
+    import copy
+
+    import torch
+
+    from lethe.heads.asu.gguf import add_to_llama_cpp
+    from lethe.heads.asu.weights import adapters, attach
+    from lethe.heads.decoding.decode import TorchRows
+
+    tok = real_lm.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in _prompts(tok, ["France", "Japan", "Italy", "Norway"])]
+    tensors, info = _random_asu(real_lm, targets, scale=scale)
+    add_to_llama_cpp(llama, "asu_test", tensors, info, real_lm.model.config)
+    try:
+        cpp = {}
+        for name in (None, "asu_test"):
+            rows = llama.start_rows(ids, [False] * len(ids), [name] * len(ids))
+            cpp[name] = rows.logits().clone()
+            rows.close()
+    finally:
+        llama.remove_adapter("asu_test")
+    model = attach(copy.deepcopy(real_lm.model), "asu_test", tensors, info)
+    ref = {}
+    for name in ("__base__", "asu_test"):
+        with torch.inference_mode(), adapters(model, [name] * len(ids)):
+            ref[name] = TorchRows(model, ids, [False] * len(ids), tok.pad_token_id or 0).logits().clone()
+    moved_cpp, moved_torch = cpp["asu_test"] - cpp[None], ref["asu_test"] - ref["__base__"]
+    cosine = torch.nn.functional.cosine_similarity(moved_cpp, moved_torch, dim=1)
+    sizes = moved_cpp.norm(dim=1) / moved_torch.norm(dim=1)
+    assert (cosine > 0.95).all() and ((sizes - 1).abs() < 0.15).all(), (cosine, sizes)
+    assert ((cpp[None] - ref["__base__"]).norm(dim=1) < moved_torch.norm(dim=1)).all()
+    assert len(llama.free) == llama.rows and not llama.adapters
+
+
+def test_asu_rows_decode_beside_base_and_head_rows_as_they_would_alone(real_lm, llama, capitals_head):
+    """A batch mixing rows with an ASU adapter, base rows and a head row on llama.cpp, one row joining later:
+    every row's tokens and log-probabilities are those it gets alone; the adapter changes its own rows' answers
+    and no other row's."""
+    from lethe.heads.asu.gguf import add_to_llama_cpp
+    from lethe.heads.decoding.decode import Batch, generate
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    tok = real_lm.tokenizer
+    prompts = _prompts(tok, ["France", "Japan", "Italy", "Norway"])
+    params = [SamplingParams(max_new_tokens=12, temperature=0, logprobs=2),
+              SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=1),
+              SamplingParams(max_new_tokens=12, temperature=0)]
+    names = ["asu_test", "__base__", "asu_test", "__base__"]
+    rows = [None, None, (capitals_head, TiltSettings()), (capitals_head, TiltSettings())]
+    tensors, info = _random_asu(real_lm, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    add_to_llama_cpp(llama, "asu_test", tensors, info, real_lm.model.config)
+    try:
+        alone = [generate(llama, tok, [p], [s], HeadGuide([r]) if r else None, [n])[0]
+                 for p, s, r, n in zip(prompts, params, rows, names)]
+        plain = [generate(llama, tok, [p], [s], HeadGuide([r]) if r else None)[0]
+                 for p, s, r in zip(prompts, params, rows)]
+        batch = Batch(llama, tok, prompts[:3], params[:3], HeadGuide(rows[:3]), names[:3])
+        for _ in range(3):
+            batch.step()
+        kept = list(batch.rows)  # finished rows leave the batch (compact): keep them to read their answers
+        joining = Batch(llama, tok, prompts[3:], params[3:], HeadGuide(rows[3:]), names[3:])
+        batch.merge(joining)
+        kept += joining.rows
+        while not batch.done:
+            batch.step()
+            batch.compact()
+        batch.close()
+        together = [r.completion() for r in kept]
+    finally:
+        llama.remove_adapter("asu_test")
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids and t.logprobs == a.logprobs and t.prompt_logprobs == a.prompt_logprobs
+    changed = [a.token_ids != p.token_ids for a, p in zip(alone, plain)]
+    assert changed[0] and not changed[1] and not changed[3], changed  # the adapter's rows (0, 2) and only those
+    assert len(llama.free) == llama.rows and not llama.adapters

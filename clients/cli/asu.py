@@ -30,6 +30,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-layers", default=None,
                    help="train these layers' projections in full instead of LoRA adapters, e.g. 0-1 "
                         "(stored as deltas; served as exact full-rank adapters)")
+    p.add_argument("--lora-layers", default=None, help="put the LoRA adapters in these layers only, e.g. 20-29 "
+                                                      "(default: every layer)")
+    p.add_argument("--own-answers", action="store_true", default=None,
+                   help="distil along the model's own answers where they state the record's `fact`")
+    p.add_argument("--retain-own-answers", action="store_true", default=None,
+                   help="hold the student to the original along its own answers to the retain questions "
+                        "(with --retain-loss kl)")
+    p.add_argument("--distil", choices=["answer", "fact"], default=None,
+                   help="where the student follows the teacher: every answer token (answer, the default) or the "
+                        "fact's tokens only")
     p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
     p.add_argument("--retain-weight", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -67,6 +77,8 @@ def cmd_asu_train(args) -> int:
 
     lm, forget, retain = _offline_inputs(args, "asu train")
     cfg = ASUConfig(layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
+                    lora_layers=args.lora_layers, own_answers=bool(args.own_answers),
+                    retain_own_answers=bool(args.retain_own_answers), distil=args.distil or "answer",
                     retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
     teacher = None

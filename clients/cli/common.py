@@ -64,7 +64,7 @@ def _engine_model(args, lm, rows: int):
 def _add_engine_args(p: argparse.ArgumentParser, default: str | None = "torch") -> None:
     p.add_argument("--engine", default=default, choices=["torch", "llamacpp"],
                    help="what decodes: torch (default; transformers) or llamacpp (llama.cpp on the GGUF file, "
-                        "several times faster on a CPU; needs `make llamacpp`; no ASU adapters)")
+                        "several times faster on a CPU; needs `make llamacpp`)")
     p.add_argument("--gguf", type=Path, default=None,
                    help="with --engine llamacpp: the GGUF file (default: --model, when it is one)")
 
@@ -110,8 +110,9 @@ def _profile(args, lm):
     return head, (settings.replace() if not args.no_cap else TiltSettings(**{**settings.as_dict(), "cap": None}))
 
 
-def _with_asu(args, lm):
-    """`lm` with the --asu adapter attached (in place, sharing the base weights), or as it is."""
+def _with_asu(args, lm, decoder=None):
+    """`lm` with the --asu adapter attached (in place, sharing the base weights), or as it is; with a llama.cpp
+    `decoder`, `lm` as it is and the adapter loaded into `decoder` as `asu_cli` (rows must name it)."""
     if not getattr(args, "asu", None):
         return lm
     from dataclasses import replace
@@ -119,6 +120,11 @@ def _with_asu(args, lm):
     from lethe.heads.asu.weights import attach, load_asu
 
     tensors, info = load_asu(args.asu, lm.fingerprint)
+    if decoder is not None:
+        from lethe.heads.asu.gguf import add_to_llama_cpp
+
+        add_to_llama_cpp(decoder, "asu_cli", tensors, info, lm.model.config)
+        return lm
     return replace(lm, model=attach(lm.model, "asu_cli", tensors, info))
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lethe.clients.cli.common import (_PROFILE_DESTS, UsageError, _add_engine_args, _add_model_args,
+from lethe.clients.cli.common import (_PROFILE_DESTS, _add_engine_args, _add_model_args,
                                       _add_profile_args, _engine_model, _modes, _profile, _with_asu)
 
 
@@ -50,7 +50,8 @@ def cmd_generate(args) -> int:
 
     lm = load_model(args.model, args.device, args.dtype)
     head, settings = _profile(args, lm)
-    lm = _with_asu(args, lm)
+    fast = _engine_model(args, lm, 16)
+    lm = _with_asu(args, lm, fast)
     guide = HeadGuide.uniform(head, settings) if head is not None else None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
@@ -63,11 +64,8 @@ def cmd_generate(args) -> int:
     else:
         print("lethe generate: give a PROMPT or --input PROMPTS.jsonl", file=sys.stderr)
         return 2
-    if args.engine == "llamacpp" and args.asu:
-        raise UsageError("generate: --asu needs --engine torch (the llama.cpp engine does not serve ASU adapters)")
-    fast = _engine_model(args, lm, 16)
     outs = generate_chunked(fast or lm.model, lm.tokenizer, prompts, params, batch_size=16 if fast else 64,
-                            guide=guide)
+                            guide=guide, adapter="asu_cli" if fast and args.asu else None)
     if args.output:
         from lethe.heads.io import atomic_write_text
 

@@ -207,9 +207,7 @@ class Batch:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
         self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
         self.eos = eos_ids(model, tokenizer)
-        llama = hasattr(model, "start_rows")  # a `heads.decoding.llamacpp.LlamaCppModel`
-        if llama and adapters is not None and any(a != "__base__" for a in adapters):
-            raise ValueError("the llama.cpp engine does not serve ASU adapters")
+        llama = self._llama = hasattr(model, "start_rows")  # a `heads.decoding.llamacpp.LlamaCppModel`
         device = model.device if llama else next(model.parameters()).device
         encoded = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False)["input_ids"]
                    for p in prompts]
@@ -222,7 +220,7 @@ class Batch:
         self.min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
         scored = [p.prompt_logprobs is not None for p in params]
         with torch.inference_mode(), self._adapters():
-            self.runner = model.start_rows(encoded, scored) if llama else \
+            self.runner = model.start_rows(encoded, scored, adapters) if llama else \
                 TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)
             self.pool = Pool(self.runner.prompt_hidden, [self._window_of(i) for i in range(len(self.rows))])
             self._score_prompts(self.runner.prompt_logits)
@@ -261,8 +259,8 @@ class Batch:
         return getattr(entry[0], "window", 0) if entry is not None else 0
 
     def _adapters(self):
-        if self.adapters is None:  # the common case: no per-row adapters, nothing to set up per step
-            return nullcontext()
+        if self.adapters is None or self._llama:  # no per-row adapters (the common case), or llama.cpp's rows,
+            return nullcontext()  # which keep their own
         from lethe.heads.asu.weights import adapters
 
         return adapters(self.model, self.adapters)
@@ -490,15 +488,17 @@ def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list
 
 
 def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParams, batch_size: int = 64,
-                     guide: Guide | None = None, before_chunk=None) -> list[Completion]:
+                     guide: Guide | None = None, before_chunk=None, adapter: str | None = None) -> list[Completion]:
     """`generate` over a long list of prompts, `batch_size` at a time (prompts of similar length together).
-    `before_chunk()` runs before each chunk (a job's cancellation check: it may raise)."""
+    `before_chunk()` runs before each chunk (a job's cancellation check: it may raise). `adapter`: the ASU
+    adapter every row decodes with (None: the model's own weights)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         if before_chunk is not None:
             before_chunk()
         idx = order[start:start + batch_size]
-        for i, c in zip(idx, generate(model, tokenizer, [prompts[i] for i in idx], params, guide)):
+        for i, c in zip(idx, generate(model, tokenizer, [prompts[i] for i in idx], params, guide,
+                                      [adapter] * len(idx) if adapter else None)):
             out[i] = c
     return out  # type: ignore[return-value]

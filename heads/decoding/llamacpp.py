@@ -9,7 +9,12 @@ leaves frees its sequence at once.
 
 `LlamaCppModel` loads the file and hands out sequences; `LlamaRows` is the model side of one `Batch` (the
 transformers path's is `TorchRows` in `decode.py`). Only one thread decodes with a model at a time (the
-engine's); ASU adapters are not served by this backend.
+engine's).
+
+ASU adapters (`add_adapter`, a LoRA GGUF file from `heads.asu.gguf`) share the model's weights. llama.cpp applies
+the adapters set on a context to every token of a `llama_decode` call, so a step decodes the rows of each adapter
+(and the base rows) in a call of their own, with that adapter set: a row never meets another row's adapter. A
+sequence's KV cache is its own, so rows keep their sequences whatever their neighbours use.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class LlamaCppModel:
         self.memory = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(self.per_call, 0, 1)
         self.free = list(range(rows))
+        self.adapters: dict[str, object] = {}  # name -> llama.cpp LoRA adapter (add_adapter)
+        self._set: str | None = None  # the adapter set on the context now (None: the base weights)
         self.lock = threading.Lock()  # one call into the context at a time: a batch dropped on another thread
         # releases its sequences only between two decodes
 
@@ -111,16 +118,54 @@ class LlamaCppModel:
                 self.L.llama_memory_seq_rm(self.memory, s, -1, -1)
             self.free = sorted(self.free + seqs)  # the lowest first: rows taken together are in order
 
-    def decode(self, items: list[tuple[int, int, int]], wanted: list[int] | None = None
+    def add_adapter(self, name: str, path: str | Path) -> None:
+        """Load a LoRA GGUF file (`heads.asu.gguf.write_lora_gguf`) as adapter `name`; the file may go once this
+        returns (llama.cpp keeps its tensors)."""
+        with self.lock:
+            if name in self.adapters:
+                return
+            adapter = self.L.llama_adapter_lora_init(self.model, str(path).encode())
+            if not adapter:
+                raise LlamaCppError(f"llama.cpp could not load the LoRA adapter {name} (see the server's log)")
+            self.adapters[name] = adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Free adapter `name` (no row may be decoding with it)."""
+        with self.lock:
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                return
+            if self._set == name:
+                self._use(None)
+            self.L.llama_adapter_lora_free(adapter)
+
+    def _use(self, name: str | None) -> None:
+        """Set adapter `name` (None: none) on the context, under the lock."""
+        if name == self._set:
+            return
+        L = self.L
+        if name is None:
+            status = L.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            if name not in self.adapters:
+                raise LlamaCppError(f"no LoRA adapter {name!r} is loaded")
+            status = L.llama_set_adapters_lora(self.ctx, (L.llama_adapter_lora_p_ctypes * 1)(self.adapters[name]), 1,
+                                               (ctypes.c_float * 1)(1.0))
+        if status != 0:
+            raise LlamaCppError(f"llama_set_adapters_lora failed ({status})")
+        self._set = name
+
+    def decode(self, items: list[tuple[int, int, int]], wanted: list[int] | None = None, adapter: str | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed (token, position, sequence) items; returns the logits (len(wanted), V) of the items at the
-        indices `wanted` (default: all) and the final hidden states (n, d) of all, float32, in order. Long inputs
-        go in pieces of the context's batch size."""
+        """Feed (token, position, sequence) items, with LoRA adapter `adapter` (None: the base weights); returns
+        the logits (len(wanted), V) of the items at the indices `wanted` (default: all) and the final hidden states
+        (n, d) of all, float32, in order. Long inputs go in pieces of the context's batch size."""
         L, b = self.L, self.batch
         wanted = list(range(len(items))) if wanted is None else wanted
         logits = torch.empty(len(wanted), self.vocab_size)
         hidden = torch.empty(len(items), self.hidden_size)
         with self.lock:
+            self._use(adapter)
             for start in range(0, len(items), self.per_call):
                 piece = items[start:start + self.per_call]
                 b.n_tokens = len(piece)
@@ -140,11 +185,12 @@ class LlamaCppModel:
                     logits[[j for j, _ in rows]] = out[[i for _, i in rows]]
         return logits, hidden
 
-    def start_rows(self, prompts: list[list[int]], keep_prompt_logits: list[bool]) -> "LlamaRows":
-        return LlamaRows(self, prompts, keep_prompt_logits)
+    def start_rows(self, prompts: list[list[int]], keep_prompt_logits: list[bool],
+                   adapters: list[str] | None = None) -> "LlamaRows":
+        return LlamaRows(self, prompts, keep_prompt_logits, adapters)
 
     def close(self) -> None:
-        if getattr(self, "ctx", None):
+        if getattr(self, "ctx", None):  # freeing the model frees its adapters
             self.L.llama_batch_free(self.batch)
             self.L.llama_free(self.ctx)
             self.L.llama_model_free(self.model)
@@ -155,31 +201,48 @@ class LlamaCppModel:
 
 
 class LlamaRows:
-    """The model side of a batch on llama.cpp: a sequence and a position per row, and the rows' next-token logits.
+    """The model side of a batch on llama.cpp: a sequence, a position and an adapter per row, and the rows'
+    next-token logits.
 
     Built by prefilling the prompts (every position an output, for the pooled states). `prompt_hidden` and
-    `prompt_logits` are the prefill's results, as `TorchRows`'s."""
+    `prompt_logits` are the prefill's results, as `TorchRows`'s. `adapters`: per row, the ASU adapter it decodes
+    with (None or `__base__`: the base weights); each adapter's rows go to llama.cpp in a call of their own."""
 
-    def __init__(self, model: LlamaCppModel, prompts: list[list[int]], keep_prompt_logits: list[bool]):
+    def __init__(self, model: LlamaCppModel, prompts: list[list[int]], keep_prompt_logits: list[bool],
+                 adapters: list[str | None] | None = None):
         self.model, self.seqs = model, []
+        self.adapters = [None if a in (None, "__base__") else a for a in adapters or [None] * len(prompts)]
         self.seqs = model.take(len(prompts))
-        ends = np.cumsum([len(p) for p in prompts]).tolist()
-        starts = [0] + ends[:-1]
-        # logits: each prompt's last position, and every position of the prompts whose log-probabilities are asked
-        wanted = sorted({b - 1 for b in ends} | {i for a, b, keep in zip(starts, ends, keep_prompt_logits) if keep
-                                                 for i in range(a, b)})
+        self.positions = [len(p) for p in prompts]  # the next token's position, per row
+        self.prompt_hidden, self.prompt_logits = [None] * len(prompts), [None] * len(prompts)
+        self._logits = torch.empty(len(prompts), model.vocab_size)
         try:
-            logits, hidden = model.decode([(t, j, s) for s, p in zip(self.seqs, prompts) for j, t in enumerate(p)],
-                                          wanted)
+            for adapter, rows in self._groups():
+                self._prefill(rows, [prompts[i] for i in rows], [keep_prompt_logits[i] for i in rows], adapter)
         except BaseException:
             self.close()
             raise
+
+    def _groups(self) -> list[tuple[str | None, list[int]]]:
+        """(adapter, its rows in the order of their sequences), one per adapter the rows use."""
+        groups: dict[str | None, list[int]] = {}
+        for i in sorted(range(len(self.seqs)), key=self.seqs.__getitem__):
+            groups.setdefault(self.adapters[i], []).append(i)
+        return list(groups.items())
+
+    def _prefill(self, rows: list[int], prompts: list[list[int]], keep: list[bool], adapter: str | None) -> None:
+        ends = np.cumsum([len(p) for p in prompts]).tolist()
+        starts = [0] + ends[:-1]
+        # logits: each prompt's last position, and every position of the prompts whose log-probabilities are asked
+        wanted = sorted({b - 1 for b in ends} | {i for a, b, k in zip(starts, ends, keep) if k for i in range(a, b)})
+        logits, hidden = self.model.decode([(t, j, self.seqs[r]) for r, p in zip(rows, prompts)
+                                            for j, t in enumerate(p)], wanted, adapter)
         row_of = {w: j for j, w in enumerate(wanted)}  # item index -> row of `logits`
-        self.positions = [len(p) for p in prompts]  # the next token's position, per row
-        self.prompt_hidden = [hidden[a:b] for a, b in zip(starts, ends)]
-        self._logits = logits[[row_of[b - 1] for b in ends]]
-        self.prompt_logits = [((lambda span, x=logits[row_of[a]:row_of[b - 1] + 1]: x[span]), hidden[a:b])
-                              if keep else None for a, b, keep in zip(starts, ends, keep_prompt_logits)]
+        self._logits[rows] = logits[[row_of[b - 1] for b in ends]]
+        for r, a, b, k in zip(rows, starts, ends, keep):
+            self.prompt_hidden[r] = hidden[a:b]
+            if k:
+                self.prompt_logits[r] = ((lambda span, x=logits[row_of[a]:row_of[b - 1] + 1]: x[span]), hidden[a:b])
 
     def logits(self) -> torch.Tensor:
         """Every row's next-token logits, (B, V) float32."""
@@ -190,19 +253,23 @@ class LlamaRows:
         tokens = tokens.tolist()
         # fed in the order of their sequences: llama.cpp decoded a batch of 8 rows at 80 tokens/s with its
         # sequences out of order, 103 in order (`free` is kept sorted too, so a batch's rows start in order)
-        order = sorted(range(len(self.seqs)), key=self.seqs.__getitem__)
-        logits, hidden = self.model.decode([(tokens[i], self.positions[i], self.seqs[i]) for i in order])
-        if order != list(range(len(order))):
-            back = torch.empty(len(order), dtype=torch.long)
-            back[order] = torch.arange(len(order))
-            logits, hidden = logits[back], hidden[back]
-        self._logits = logits
+        groups = self._groups()
+        if len(groups) == 1 and groups[0][1] == list(range(len(self.seqs))):  # one adapter, rows in order
+            self._logits, hidden = self.model.decode([(t, p, s) for t, p, s in zip(tokens, self.positions, self.seqs)],
+                                                     adapter=groups[0][0])
+        else:
+            self._logits = torch.empty(len(tokens), self.model.vocab_size)
+            hidden = torch.empty(len(tokens), self.model.hidden_size)
+            for adapter, rows in groups:
+                self._logits[rows], hidden[rows] = self.model.decode(
+                    [(tokens[i], self.positions[i], self.seqs[i]) for i in rows], adapter=adapter)
         self.positions = [p + 1 for p in self.positions]
         return hidden
 
     def merge(self, other: "LlamaRows") -> None:
         self.seqs, other.seqs = self.seqs + other.seqs, []  # its sequences are this batch's now
         self.positions += other.positions
+        self.adapters += other.adapters
         self._logits = torch.cat([self._logits, other._logits])
 
     def keep(self, idx: list[int]) -> None:
@@ -211,6 +278,7 @@ class LlamaRows:
         self.model.release([s for i, s in enumerate(self.seqs) if i not in kept])
         self.seqs = [self.seqs[i] for i in idx]
         self.positions = [self.positions[i] for i in idx]
+        self.adapters = [self.adapters[i] for i in idx]
         self._logits = self._logits[idx]
 
     def close(self) -> None:

@@ -62,7 +62,10 @@ def _same(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[str], new_tokens: int = 64,
-                 repeats: int = 3, gguf: Path | None = None, equality: int = 48, log=print, decoder=None) -> dict:
+                 repeats: int = 3, gguf: Path | None = None, equality: int = 48, log=print, decoder=None,
+                 asu: str | None = None) -> dict:
+    """`asu`: an ASU adapter loaded into `decoder` (`heads.asu.gguf.add_to_llama_cpp`), timed on every row and on
+    half the rows (beside base rows), and its answers compared batched and alone."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     guide = HeadGuide.uniform(head, settings or TiltSettings())
@@ -78,15 +81,24 @@ def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[
         if decoder is not None:  # timed apart: torch's runs in between slowed it (104 against 120 tokens/s, batch 8)
             log(f"bench engine: Lethe's llama.cpp engine, batch {batch}")
             generate(decoder, tok, chosen, SamplingParams(max_new_tokens=2, temperature=0.0))  # weights paged in
-            runs |= _timed_runs({"lethe_llamacpp": lambda: generate(decoder, tok, chosen, params),
-                                 "lethe_llamacpp_t3": lambda: generate(decoder, tok, chosen, params, guide)}, repeats)
+            timed = {"lethe_llamacpp": lambda: generate(decoder, tok, chosen, params),
+                     "lethe_llamacpp_t3": lambda: generate(decoder, tok, chosen, params, guide)}
+            if asu is not None:
+                every, half = [asu] * batch, [asu if i % 2 == 0 else "__base__" for i in range(batch)]
+                timed |= {"lethe_llamacpp_asu": lambda: generate(decoder, tok, chosen, params, adapters=every),
+                          "lethe_llamacpp_asu_t3": lambda: generate(decoder, tok, chosen, params, guide, every),
+                          "lethe_llamacpp_asu_mixed_with_base": lambda: generate(decoder, tok, chosen, params,
+                                                                                 adapters=half)}
+            runs |= _timed_runs(timed, repeats)
         result["lethe"][f"batch_{batch}"] = {
             **{f"{k}_tokens_per_s": round(batch * new_tokens / statistics.median(v), 1) for k, v in runs.items()},
             "t3_over_no_head": _paired_ratio(runs, "lethe_t3", "lethe"),
             "lethe_speedup_over_hf_generate": _paired_ratio(runs, "hf_generate", "lethe")}
         if decoder is not None:
-            result["lethe"][f"batch_{batch}"]["llamacpp_t3_over_no_head"] = _paired_ratio(
-                runs, "lethe_llamacpp_t3", "lethe_llamacpp")
+            for k in ("t3", "asu", "asu_t3", "asu_mixed_with_base"):
+                if f"lethe_llamacpp_{k}" in runs:
+                    result["lethe"][f"batch_{batch}"][f"llamacpp_{k}_over_no_head"] = _paired_ratio(
+                        runs, f"lethe_llamacpp_{k}", "lethe_llamacpp")
     sample = prompts[:equality]
     stop = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     log(f"bench engine: greedy answers to {len(sample)} prompts (Lethe, model.generate)")
@@ -111,6 +123,11 @@ def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[
         fast_alone = [c.token_ids for c in generate_chunked(decoder, tok, sample, stop, batch_size=1)]
         result["equality_lethe_llamacpp"] = {"batched_vs_alone": _same(fast, fast_alone),
                                              "vs_lethe_float32": _same(fast, lethe_answers)}
+        if asu is not None:
+            log(f"bench engine: ASU answers to {len(sample)} prompts on Lethe's llama.cpp engine, 8 rows and alone")
+            result["equality_lethe_llamacpp"]["asu_batched_vs_alone"] = _same(*(
+                [c.token_ids for c in generate_chunked(decoder, tok, sample, stop, batch_size=n, adapter=asu)]
+                for n in (8, 1)))
         if "answers" in result["llama_cpp"].get("batch_8", {}):
             result["equality_lethe_llamacpp"]["vs_llama_cpp"] = _same(fast, result["llama_cpp"]["batch_8"]["answers"])
     single = [r["tokens_per_s"] for r in result["llama_cpp"].get("single_stream", []) if "tokens_per_s" in r]

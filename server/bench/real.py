@@ -67,7 +67,11 @@ def fluency(answers: list[str], vocab) -> dict:
 
 def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size: int, asu=None,
               adapter: bool = False) -> list[str]:
-    """Answers, stripped. `asu`: the model with an ASU adapter attached, used with it on (`adapter`) or off."""
+    """Answers, stripped. `asu`: the model with an ASU adapter attached, used with it on (`adapter`) or off; on
+    llama.cpp, the engine holding adapter `bench_asu`."""
+    if hasattr(asu, "start_rows"):
+        return [c.text.strip() for c in generate_chunked(asu, lm.tokenizer, prompts, params, batch_size, guide,
+                                                         adapter="bench_asu" if adapter else None)]
     model, off = (lm.model, nullcontext()) if asu is None else (asu, nullcontext() if adapter else asu.disable_adapter())
     with off:
         return [c.text.strip() for c in generate_chunked(model, lm.tokenizer, prompts, params, batch_size, guide)]
@@ -90,8 +94,6 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
     """`decoder`: what decodes every answer instead of `lm.model` (a `heads.decoding.llamacpp.LlamaCppModel`, the
     llama.cpp engine); the head still trains on `lm.model`'s hidden states, as the server's jobs do."""
     cfg = cfg or RealBenchConfig()
-    if decoder is not None and cfg.asu_tau is not None:
-        raise ValueError("ASU is not served by the llama.cpp engine; run the ASU comparison with engine torch")
     trainer, lm = lm, (replace(lm, model=decoder) if decoder is not None else lm)  # lm: what answers
     started = time.perf_counter()
     fmt = resolve_format(lm.tokenizer, cfg.fit.format)
@@ -134,8 +136,14 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             progress=False)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
         log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
-        asu = attach(lm.model, "bench_asu", tensors, asu_info)
-        asu.set_adapter("bench_asu")
+        if decoder is not None:  # llama.cpp: a LoRA adapter its rows name (`_generate`)
+            from lethe.heads.asu.gguf import add_to_llama_cpp
+
+            add_to_llama_cpp(decoder, "bench_asu", tensors, asu_info, trainer.model.config)
+            asu = decoder
+        else:
+            asu = attach(lm.model, "bench_asu", tensors, asu_info)
+            asu.set_adapter("bench_asu")
     # each variant: (guide, whether the ASU adapter is on, its abstention reply)
     chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
                                    for name, over in cfg.variants.items()}
@@ -159,7 +167,9 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
         for label, params in runs:
             _decode_and_score(lm, label, params, sets, variants, asu, cfg, fmt, vocab, rows, examples, log)
     finally:
-        if asu is not None:
+        if decoder is not None and asu is not None:
+            decoder.remove_adapter("bench_asu")
+        elif asu is not None:
             unload(asu)  # the base model as it was
     if len(variants) == 1:
         examples = examples["head"]

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lethe.clients.cli.common import _add_model_args, _add_profile_args, _profile
+from lethe.clients.cli.common import UsageError, _add_model_args, _add_profile_args, _profile, _with_asu
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -141,9 +141,12 @@ def cmd_bench_engine(args) -> int:
         from lethe.heads.decoding.llamacpp import open_gguf
 
         decoder = open_gguf(lm, gguf, 8, None)
+    elif args.asu:
+        raise UsageError("bench engine: --asu is timed on the llama.cpp engine; give the model's GGUF file (--gguf)")
+    _with_asu(args, lm, decoder)  # an --asu adapter goes into llama.cpp as `asu_cli`
     result = bench_engine(lm, head, settings, prompts, new_tokens=args.new_tokens, repeats=args.repeats, gguf=gguf,
                           equality=args.equality, log=lambda m: print(m, file=sys.stderr, flush=True),
-                          decoder=decoder)
+                          decoder=decoder, asu="asu_cli" if args.asu else None)
     text = json.dumps(result, indent=1)
     if args.out:
         atomic_write_text(args.out, text + "\n")
