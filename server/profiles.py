@@ -99,10 +99,10 @@ class AdapterCache:
         def check(path):
             tensors, info = load_asu(path, self.engine.lm.fingerprint, self.shapes, self.n_layers)
             if self.engine.decoder is not None:  # llama.cpp: a LoRA file it can read, or a 422 now
-                from lethe.heads.asu.gguf import lora_tensors
+                from lethe.heads.asu.gguf import check_servable
 
                 try:
-                    lora_tensors(tensors, info, self.engine.lm.model.config)
+                    check_servable(info, self.engine.lm.model.config)
                 except HeadFileError as e:  # the weights are sound; this engine cannot serve them
                     raise ProfileError(422, "weights", f"this server decodes with llama.cpp (engine llamacpp): {e}")
             return tensors, info

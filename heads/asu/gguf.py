@@ -31,11 +31,9 @@ def permute(weight: torch.Tensor, n_head: int, n_head_kv: int | None = None) -> 
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def lora_tensors(tensors: dict[str, torch.Tensor], info, config) -> dict[str, torch.Tensor]:
-    """{llama.cpp name: float32 tensor} of an ASU LoRA adapter (`heads.asu.weights` names and `ASUInfo`) for a
-    model with transformers config `config`; HeadFileError where llama.cpp could not serve it."""
-    import gguf
-
+def check_servable(info, config) -> None:
+    """HeadFileError unless llama.cpp can serve ASU weights with this `ASUInfo` on a model with transformers config
+    `config` (their tensors already checked against the model: `heads.asu.weights.check_asu`)."""
     if info.mode != "lora":
         raise HeadFileError(f"ASU weights of mode {info.mode!r} change the projections themselves; llama.cpp "
                             "serves LoRA adapters only (train with mode lora, the default)")
@@ -43,6 +41,14 @@ def lora_tensors(tensors: dict[str, torch.Tensor], info, config) -> dict[str, to
     if arch not in ARCHITECTURES:
         raise HeadFileError(f"ASU on llama.cpp knows the GGUF layout of {', '.join(ARCHITECTURES)} models; this "
                             f"model is {arch!r}")
+
+
+def lora_tensors(tensors: dict[str, torch.Tensor], info, config) -> dict[str, torch.Tensor]:
+    """{llama.cpp name: float32 tensor} of an ASU LoRA adapter (`heads.asu.weights` names and `ASUInfo`) for a
+    model with transformers config `config`; HeadFileError where llama.cpp could not serve it."""
+    import gguf
+
+    check_servable(info, config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     out = {}
