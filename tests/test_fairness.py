@@ -88,9 +88,12 @@ def test_one_tenants_backlog_does_not_hold_up_another_tenants_short_request(tiny
     the short one ends before any long one does. First come, first served made it wait for 16 long ones."""
     engine = Engine(tiny_lm, max_batch_size=8)
     try:
-        long = SamplingParams(max_new_tokens=48, temperature=1.0, seed=1, ignore_eos=True)
-        flood = [engine.submit(Pending("Question: Who is Ada?\nAnswer:", long, tenant="a")) for _ in range(32)]
-        time.sleep(0.2)  # the first rows are decoding
+        long = SamplingParams(max_new_tokens=96, temperature=1.0, seed=1, ignore_eos=True)
+        decoding = threading.Event()  # set at the first long row's first token: rows are decoding, none has ended
+        flood = [engine.submit(Pending("Question: Who is Ada?\nAnswer:", long, tenant="a",
+                                       on_text=(lambda text, logprobs: decoding.set()) if i == 0 else None))
+                 for i in range(32)]
+        assert decoding.wait(timeout=120)
         short = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
         victim = engine.submit(Pending("Question: Where?\nAnswer:", short, tenant="b"))
         victim.future.result(timeout=120)
