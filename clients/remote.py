@@ -75,7 +75,7 @@ def datasets(client: Lethe, args):
 
 def heads_train(client: Lethe, args):
     options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "balance", "common_df", "seed", "format",
-                                             "pooling_window", "answer_forms", "contexts")}
+                                             "pooling_window", "answer_forms", "contexts", "context_shift")}
     options["max_epochs"] = args.epochs
     job = client.train_head(*_dataset_ids(client, args), **options)
     return _run_job(client, job, args.wait, args.quiet)

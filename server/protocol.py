@@ -151,6 +151,12 @@ class HeadJobRequest(Strict):
                                         "prompt, earlier turns, other text), with twice as many retain ones, so the "
                                         "head forgets wherever traffic puts the question; 0: off, 2: stronger in "
                                         "context at about twice the training time.")
+    context_shift: float = Field(0.0, ge=0, le=1, allow_inf_nan=False,
+                                 description="The share of training rows, drawn afresh in every batch, that also get "
+                                             "a context's change of the pooled state (what one of the trained "
+                                             "contexts did to the same answer's states), so the head holds in "
+                                             "contexts it never saw, at no extra pass of the model; 0: off. An option, not the default: "
+                                             "docs/forgetting-in-context.md gives what it gained and cost.")
 
 
 class ASUJobRequest(Strict):

@@ -9,10 +9,10 @@ import torch
 from lethe.heads.demo.corpus import split_by_author
 from lethe.heads.records import Context, ask, examples, qa_example
 from lethe.heads.t3 import cache as cache_module
-from lethe.heads.t3.cache import build_cache
+from lethe.heads.t3.cache import build_cache, context_shifts
 from lethe.heads.t3.contexts import RETAIN_PER_FORGET, context_counts, context_examples, draw_contexts
 from lethe.heads.t3.pipeline import train_head
-from lethe.heads.t3.train import FitConfig
+from lethe.heads.t3.train import FitConfig, shifted
 
 @pytest.fixture(scope="module")
 def split(tiny_records):
@@ -40,16 +40,16 @@ def test_forget_and_retain_records_train_after_the_same_contexts(split):
     contexts = draw_contexts(forget + retain, n=8, seed=3)
     assert contexts == draw_contexts(forget + retain, n=8, seed=3) and len(set(contexts)) == 8
     assert any(c.turns for c in contexts) and any(c.before for c in contexts)
-    f, f_which = context_examples(forget, contexts, len(forget), seed=0)
-    r, r_which = context_examples(retain, contexts, 10, seed=1)
+    f, f_which, f_sources = context_examples(forget, contexts, len(forget), seed=0)
+    r, r_which, _ = context_examples(retain, contexts, 10, seed=1)
     assert len(f) == len(forget) and len(r) == len(r_which) == 10
     assert all(0 <= j < 8 for j in f_which + r_which)
     assert sorted(e.completion for e in f) == sorted(" " + q["answer"] for q in forget)  # each forget record once
-    assert context_examples(forget, contexts, 0) == ([], [])
+    assert context_examples(forget, contexts, 0) == ([], [], [])
     # per forget record, and RETAIN_PER_FORGET times as many retain records: the retain set is often larger
     assert context_counts(forget, 1.0) == (len(forget), RETAIN_PER_FORGET * len(forget))
     assert context_counts(forget, 0.5)[0] == round(len(forget) / 2) and context_counts(forget, 0) == (0, 0)
-    twice, _ = context_examples(forget, contexts, 2 * len(forget), seed=0)  # each forget record after two contexts
+    twice, _, _ = context_examples(forget, contexts, 2 * len(forget), seed=0)  # each forget record after two contexts
     assert sorted(e.completion for e in twice) == sorted(2 * [" " + q["answer"] for q in forget])
 
 
@@ -58,7 +58,7 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
     contexts = draw_contexts(forget + retain, n=4)
     sides, groups = [], []
     for i, records in enumerate((forget, retain[:40])):
-        after, which = context_examples(records, contexts, len(records), seed=i)
+        after, which, _ = context_examples(records, contexts, len(records), seed=i)
         sides.append(examples(records) + after)
         groups += ["plain"] * len(records) + which
     tokens = []
@@ -77,16 +77,55 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
         assert torch.equal(shared.label, alone.label)
 
 
+def test_a_context_shift_is_what_a_context_did_to_the_same_answers_pooled_states(tiny_lm, split):
+    forget, retain = split
+    contexts = draw_contexts(forget + retain, n=4, seed=1)
+    after, _, sources = context_examples(forget, contexts, len(forget), seed=0)
+    assert [e.completion for e in after] == [" " + forget[i]["answer"] for i in sources]  # each asks its source
+    plain = examples(forget)
+    cache = build_cache(tiny_lm.model, tiny_lm.tokenizer, plain + after, examples(retain[:4]), progress=False,
+                        window=16)
+    pairs = [(len(plain) + k, i) for k, i in enumerate(sources)]
+    made = context_shifts(cache, pairs)
+    shifts = made.shifts
+    first = cache.pooled[cache.record == len(plain)].float() - cache.pooled[cache.record == sources[0]].float()
+    torch.testing.assert_close(shifts[:len(first)].float(), first, atol=2e-3, rtol=0)
+    assert len(shifts) == sum(int((cache.record == a).sum()) for a, _ in pairs)
+    assert float(shifts.float().norm(dim=1).mean()) > 0.05 * float(cache.pooled.float().norm(dim=1).mean())
+    # they may go to the rows of the examples they were measured on, not to the retain examples outside `pairs`
+    assert torch.equal(made.rows, cache.record < len(plain) + len(after))
+    other = next(j for j, e in enumerate(plain) if len(e.completion) != len(after[0].completion))
+    lengths = [int((cache.record == i).sum()) for i in (len(plain), other)]
+    if lengths[0] != lengths[1]:  # answers of other lengths face no position of each other: left out
+        assert len(context_shifts(cache, [(len(plain), other)]).shifts) == 0
+
+
+def test_shifted_adds_one_drawn_shift_to_about_its_share_of_the_rows():
+    pooled, shifts = torch.zeros(2000, 4), torch.tensor([[1.0] * 4, [2.0] * 4, [3.0] * 4]).half()
+    out = shifted(pooled, shifts, 0.5, torch.Generator().manual_seed(0))
+    moved = out.abs().sum(1) > 0
+    assert 0.45 < float(moved.float().mean()) < 0.55
+    assert set(out[moved].unique().tolist()) == {1.0, 2.0, 3.0} and bool((out[moved].std(1) == 0).all())
+    assert torch.equal(shifted(pooled, shifts, 0.0, torch.Generator()), pooled)
+    eligible = torch.arange(2000) < 1000
+    out = shifted(pooled, shifts, 0.5, torch.Generator().manual_seed(0), eligible)
+    assert bool((out[1000:] == 0).all()) and 0.4 < float((out[:1000].abs().sum(1) > 0).float().mean()) < 0.6
+
+
 def test_the_head_job_reports_its_context_records_and_can_turn_them_off(tiny_lm, split):
     forget, retain = split
     _, on = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=2), progress=False)
     _, off = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=2, contexts=0), progress=False)
     assert on.metrics["context_records"] == list(context_counts(forget, 1.0))
     assert off.metrics["context_records"] == [0, 0] and on.metrics["positions"] > off.metrics["positions"]
-    assert on.training["contexts"] == 1.0
+    assert on.training["contexts"] == 1.0 and on.training["context_shift"] == 0.0
+    shifted_head, info = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=2, context_shift=0.5), progress=False)
+    assert info.training["context_shift"] == 0.5 and info.metrics["positions"] == on.metrics["positions"]
+    plain_head, _ = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=2), progress=False)
+    assert not torch.equal(shifted_head.up.weight, plain_head.up.weight)  # the same records, other rows trained
 
 
-def test_a_head_job_asking_for_contexts_outside_0_to_4_is_refused_naming_the_field():
+def test_a_head_job_asking_for_contexts_or_a_context_shift_out_of_range_is_refused_naming_the_field():
     from pydantic import ValidationError
 
     from lethe.server.protocol import HeadJobRequest
@@ -96,3 +135,7 @@ def test_a_head_job_asking_for_contexts_outside_0_to_4_is_refused_naming_the_fie
     for bad in (-0.1, 4.5, float("nan")):
         with pytest.raises(ValidationError, match="contexts"):
             HeadJobRequest(forget="ds_a", retain="ds_b", contexts=bad)
+    assert HeadJobRequest(forget="ds_a", retain="ds_b").context_shift == FitConfig().context_shift
+    for bad in (-0.1, 1.5, float("inf")):
+        with pytest.raises(ValidationError, match="context_shift"):
+            HeadJobRequest(forget="ds_a", retain="ds_b", context_shift=bad)

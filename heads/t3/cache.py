@@ -150,3 +150,32 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     if isinstance(pooled, np.memmap):
         pooled.flush()
     return PooledCache(pooled, target, label, record, len(forget), len(retain))
+
+
+MAX_SHIFTS = 1 << 16  # rows of context shifts kept (float16: 2^16 x d x 2 bytes, 75 MB at d = 576)
+
+
+@dataclass
+class ContextShifts:
+    shifts: torch.Tensor  # (M, d) float16: how contexts moved pooled states
+    rows: torch.Tensor  # (N,) bool: the cache's positions they may be added to (question/answer examples')
+
+
+def context_shifts(cache: PooledCache, pairs: list[tuple[int, int]], seed: int = 0) -> ContextShifts:
+    """How a context moved the pooled state, at each answer position of each (example after a context, the same
+    record's plain example) pair in `pairs` (example indices, forget side first): the two answers are the same
+    tokens, so position t of one faces position t of the other. Pairs whose answers tokenised to different lengths
+    are left out; at most MAX_SHIFTS rows, drawn at random. The positions of the examples in `pairs` may take
+    them: other examples (a fact alone as the answer, in another form) are not rows the shifts were measured on."""
+    bounds = np.searchsorted(cache.record.numpy(), np.arange(cache.n_forget + cache.n_retain + 1))
+    shifts = []
+    for after, plain in pairs:
+        (a0, a1), (p0, p1) = bounds[after:after + 2], bounds[plain:plain + 2]
+        if a1 - a0 == p1 - p0 and a1 > a0:
+            shifts.append(cache.rows(torch.arange(a0, a1)) - cache.rows(torch.arange(p0, p1)))
+    out = torch.cat(shifts) if shifts else torch.empty((0, cache.pooled.shape[1]))
+    if len(out) > MAX_SHIFTS:
+        out = out[torch.randperm(len(out), generator=torch.Generator().manual_seed(seed))[:MAX_SHIFTS]]
+    asked = torch.zeros(cache.n_forget + cache.n_retain, dtype=torch.bool)
+    asked[[i for pair in pairs for i in pair]] = True
+    return ContextShifts(out.to(torch.float16), asked[cache.record])

@@ -69,21 +69,22 @@ def draw_contexts(pool: list[dict], n: int = N_CONTEXTS, seed: int = 0) -> list[
 
 
 def context_examples(records: list[dict], contexts: list[Context], n: int, fmt: str = "qa", tokenizer=None,
-                     seed: int = 0) -> tuple[list[Example], list[int]]:
+                     seed: int = 0) -> tuple[list[Example], list[int], list[int]]:
     """`n` examples of the question/answer `records` (each record once before any record twice; at random), each after
-    one of `contexts`; and for each such example the index of its context (examples after one context share their first tokens,
-    which the cache pass then runs once: `heads.t3.cache.batches`)."""
-    qa = [r for r in records if "question" in r and "answer" in r]
+    one of `contexts`; for each such example the index of its context (examples after one context share their first
+    tokens, which the cache pass then runs once: `heads.t3.cache.batches`), and the index in `records` of the record
+    it asks (whose plain example has the same answer: `heads.t3.cache.context_shifts`)."""
+    qa = [i for i, r in enumerate(records) if "question" in r and "answer" in r]
     if not contexts or n <= 0 or not qa:
-        return [], []
+        return [], [], []
     rng = random.Random(seed)
     out, which = [], []
-    picks = [r for _ in range(n // len(qa)) for r in rng.sample(qa, len(qa))] + rng.sample(qa, n % len(qa))
-    for r in picks:
+    picks = [i for _ in range(n // len(qa)) for i in rng.sample(qa, len(qa))] + rng.sample(qa, n % len(qa))
+    for i in picks:
         j = rng.randrange(len(contexts))
-        out.append(qa_example(r["question"], r["answer"], fmt, tokenizer, contexts[j]))
+        out.append(qa_example(records[i]["question"], records[i]["answer"], fmt, tokenizer, contexts[j]))
         which.append(j)
-    return out, which
+    return out, which, picks
 
 
 def context_counts(forget: list[dict], per_forget: float) -> tuple[int, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from lethe.heads.t3.cache import build_cache
+from lethe.heads.t3.cache import build_cache, context_shifts
 from lethe.heads.t3.contexts import context_counts, context_examples, draw_contexts
 from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import HeadInfo, T3Head
@@ -31,19 +31,24 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     extra = (answer_forms(forget, fmt), answer_forms(retain, fmt)) if cfg.answer_forms else ([], [])
     started = time.perf_counter()
     contexts = draw_contexts(forget + retain, seed=cfg.seed) if cfg.contexts > 0 else []
-    sides, groups, added = [], [], []
+    sides, groups, added, pairs = [], [], [], []
     counts = context_counts(forget, cfg.contexts)
     for i, (records, forms) in enumerate(zip((forget, retain), extra)):
-        after, which = context_examples(records, contexts, counts[i], fmt, lm.tokenizer, seed=cfg.seed + i)
-        sides.append(examples(records + forms, fmt, lm.tokenizer) + after)
+        after, which, sources = context_examples(records, contexts, counts[i], fmt, lm.tokenizer, seed=cfg.seed + i)
+        plain = examples(records + forms, fmt, lm.tokenizer)
+        offset = sum(map(len, sides))  # examples are numbered forget side first, then retain
+        pairs += [(offset + len(plain) + k, offset + source) for k, source in enumerate(sources)]
+        sides.append(plain + after)
         # examples that begin alike run their first tokens once (heads.t3.cache.batches): the chat template's
         # system prompt, each context
         groups += [("plain", "question" in r) for r in records + forms] + [("context", j) for j in which]
         added.append(len(after))
     cache = build_cache(lm.model, lm.tokenizer, *sides, progress=progress, on_progress=report("caching"),
                         window=cfg.pooling_window, groups=groups)
+    shifts = context_shifts(cache, pairs, seed=cfg.seed) if cfg.context_shift > 0 and pairs else None
     cache_seconds = time.perf_counter() - started
-    head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"))
+    head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"),
+                             shifts=shifts)
     metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
                 "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
                 "context_records": added,

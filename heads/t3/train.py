@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from scipy.stats import rankdata
 from tqdm.auto import tqdm
 
-from lethe.heads.t3.cache import PooledCache
+from lethe.heads.t3.cache import ContextShifts, PooledCache
 from lethe.heads.t3.head import T3Head
 from lethe.heads.t3.pooling import DEFAULT_WINDOW
 
@@ -50,6 +50,9 @@ class FitConfig:
     # examples per forget record (and twice as many retain ones) that train after a context: a preamble, a system
     # prompt, earlier turns, other text (heads.t3.contexts); 0: off
     contexts: float = 1.0
+    # the share of training rows, drawn afresh every batch, to which a context's shift of the pooled state is added
+    # (one drawn from what the contexts did to the same answers: heads.t3.cache.context_shifts); 0: off
+    context_shift: float = 0.0
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -92,11 +95,27 @@ def _losses(head: T3Head, pooled, target, label, weight, head_weight):
     return loss, z
 
 
+def shifted(pooled: torch.Tensor, shifts: torch.Tensor, share: float, generator: torch.Generator,
+            eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """`pooled` (B, d) with a row of `shifts` (M, d), drawn at random, added to about `share` of its rows (of those
+    `eligible`, (B,) bool, where given)."""
+    if share <= 0 or len(shifts) == 0:
+        return pooled
+    chosen = torch.rand(len(pooled), generator=generator) < share
+    if eligible is not None:
+        chosen &= eligible
+    drawn = shifts[torch.randint(len(shifts), (len(pooled),), generator=generator)].float()
+    return torch.where(chosen[:, None], pooled + drawn, pooled)
+
+
 def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progress: bool = True,
-             on_progress=None):
-    """Train a head on `cache`; returns (head, metrics). `on_progress(fraction)` after every epoch."""
+             on_progress=None, shifts: ContextShifts | None = None):
+    """Train a head on `cache`; returns (head, metrics). `on_progress(fraction)` after every epoch. `shifts`: what
+    contexts did to pooled states (`heads.t3.cache.context_shifts`), added to `cfg.context_shift` of the training
+    rows they may go to (never to held-out ones)."""
     cfg = cfg or FitConfig()
     torch.manual_seed(cfg.seed)
+    draw = torch.Generator().manual_seed(cfg.seed)
     started = time.perf_counter()
     d = cache.pooled.shape[1]
     head = T3Head(d, vocab, cfg.rank, bias=cfg.bias, probe=cfg.probe, window=cfg.pooling_window)
@@ -123,7 +142,10 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
             idx = perm[b:b + cfg.batch_size]
             label = cache.label[idx]
             target = cache.target[idx]
-            loss, _ = _losses(head, cache.rows(idx), target, label, weights(label), head_weights(label, target))
+            pooled = cache.rows(idx)
+            if shifts is not None:
+                pooled = shifted(pooled, shifts.shifts, cfg.context_shift, draw, shifts.rows[idx])
+            loss, _ = _losses(head, pooled, target, label, weights(label), head_weights(label, target))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -30,6 +30,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=float, default=None,
                    help="the head job's contexts: examples per forget record trained after a context (sent only when "
                         "given)")
+    p.add_argument("--context-shift", type=float, default=None,
+                   help="the head job's context_shift: share of training rows shifted as a context shifts them (sent "
+                        "only when given)")
     p.add_argument("--facts", action=argparse.BooleanOptionalAction, default=True,
                    help="records name their fact (`fact`), so the head also trains on the fact alone as the answer "
                         "(default on; --no-facts: question and answer only)")
@@ -54,6 +57,7 @@ def _command(args) -> str:
     words += ["--limit", str(args.limit)] * (args.limit is not None) + ["--quick"] * args.quick
     words += ["--pooling-window", str(args.pooling_window)] * (args.pooling_window is not None)
     words += ["--contexts", str(args.contexts)] * (args.contexts is not None)
+    words += ["--context-shift", str(args.context_shift)] * (args.context_shift is not None)
     words += ["--no-facts"] * (not args.facts)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
@@ -63,7 +67,7 @@ def cmd_bench_attacks(args) -> int:
     from lethe.server.bench.attacks import AttackConfig, markdown, run
 
     cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
-                       facts=args.facts, contexts=args.contexts)
+                       facts=args.facts, contexts=args.contexts, context_shift=args.context_shift)
     return run_server_bench(args, _command(args), run, cfg, markdown)
 
 
