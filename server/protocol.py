@@ -155,8 +155,9 @@ class HeadJobRequest(Strict):
                                  description="The share of training rows, drawn afresh in every batch, that also get "
                                              "a context's change of the pooled state (what one of the trained "
                                              "contexts did to the same answer's states), so the head holds in "
-                                             "contexts it never saw, at no extra pass of the model; 0: off. An option, not the default: "
-                                             "docs/forgetting-in-context.md gives what it gained and cost.")
+                                             "contexts it never saw, at no extra pass of the model; 0: off. An "
+                                             "option, not the default: docs/forgetting-in-context.md gives what it "
+                                             "gained and cost.")
 
 
 class ASUJobRequest(Strict):

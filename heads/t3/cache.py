@@ -168,14 +168,14 @@ def context_shifts(cache: PooledCache, pairs: list[tuple[int, int]], seed: int =
     are left out; at most MAX_SHIFTS rows, drawn at random. The positions of the examples in `pairs` may take
     them: other examples (a fact alone as the answer, in another form) are not rows the shifts were measured on."""
     bounds = np.searchsorted(cache.record.numpy(), np.arange(cache.n_forget + cache.n_retain + 1))
-    shifts = []
-    for after, plain in pairs:
-        (a0, a1), (p0, p1) = bounds[after:after + 2], bounds[plain:plain + 2]
-        if a1 - a0 == p1 - p0 and a1 > a0:
-            shifts.append(cache.rows(torch.arange(a0, a1)) - cache.rows(torch.arange(p0, p1)))
-    out = torch.cat(shifts) if shifts else torch.empty((0, cache.pooled.shape[1]))
-    if len(out) > MAX_SHIFTS:
-        out = out[torch.randperm(len(out), generator=torch.Generator().manual_seed(seed))[:MAX_SHIFTS]]
+    faced = [(torch.arange(a0, a1), torch.arange(p0, p1)) for (a0, a1), (p0, p1)
+             in ((bounds[a:a + 2], bounds[p:p + 2]) for a, p in pairs) if a1 - a0 == p1 - p0 and a1 > a0]
+    after = torch.cat([a for a, _ in faced]) if faced else torch.empty(0, dtype=torch.long)
+    plain = torch.cat([p for _, p in faced]) if faced else torch.empty(0, dtype=torch.long)
+    if len(after) > MAX_SHIFTS:  # drawn before any state is read, so memory stays within MAX_SHIFTS rows
+        keep = torch.randperm(len(after), generator=torch.Generator().manual_seed(seed))[:MAX_SHIFTS]
+        after, plain = after[keep], plain[keep]
+    out = cache.rows(after) - cache.rows(plain)
     asked = torch.zeros(cache.n_forget + cache.n_retain, dtype=torch.bool)
     asked[[i for pair in pairs for i in pair]] = True
     return ContextShifts(out.to(torch.float16), asked[cache.record])
