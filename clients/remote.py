@@ -118,7 +118,8 @@ def profiles(client: Lethe, args):
                                   preset=args.preset, T=args.T, lam=args.lam, gate=args.gate,
                                   candidates=args.candidates, cap=args.cap, min_p=args.min_p,
                                   repeat_guard=args.repeat_guard, abstain=args.abstain,
-                                  abstain_above=args.abstain_above, note=args.note)
+                                  abstain_above=args.abstain_above,
+                                  adapter_above=args.adapter_above, note=args.note)
     if args.action == "list":
         return client.list_profiles()
     if args.action == "get":

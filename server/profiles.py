@@ -234,6 +234,8 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
         adapters.check(tenant_id, spec["weights"])
         adapters.load(spec["weights"])  # a stored spec must be usable: the weights are checked now
         if not spec.get("head"):
+            if spec.get("adapter_above"):
+                raise ProfileError(422, "adapter_above", "adapter_above needs a head: its probe decides")
             return {"backend": "asu", "weights": spec["weights"]}
         return {**complete_spec(cache, tenant_id, {**spec, "backend": "t3"}), "backend": "asu",
                 "weights": spec["weights"]}
@@ -241,6 +243,8 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
         raise ProfileError(422, "backend", f"backend {backend!r} is not one of base, t3, asu")
     if not spec.get("head"):
         raise ProfileError(422, "head", "a t3 profile needs a head id")
+    if spec.get("adapter_above") and not spec.get("weights"):
+        raise ProfileError(422, "adapter_above", "adapter_above applies to asu profiles (with weights) only")
     _, recommended = cache.get(tenant_id, spec["head"])
     preset = spec.get("preset")
     base = PRESETS[preset] if preset else TiltSettings.from_dict(recommended)

@@ -86,6 +86,10 @@ class ProfileSpec(Strict):
                                             "head's probe calls the prompt alone forget-like.")
     abstain_above: float | None = Field(None, ge=0.5, lt=1, allow_inf_nan=False,
                                         description="The probe's P(forget | prompt) above which `abstain` answers.")
+    adapter_above: float | None = Field(
+        None, ge=0, lt=1, allow_inf_nan=False,
+        description="Backend asu with a head: decode with the ASU adapter only where the head's probe gives "
+                    "P(forget | prompt) above this, else with the base weights and the head (0: the adapter always).")
     note: str | None = Field(None, max_length=500, description="Free text kept with the version.")
 
     def spec(self) -> dict:

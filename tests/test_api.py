@@ -390,6 +390,19 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     for name in ("asu", "asu-t3"):
         out = _ask(a, [rec], name)[0]
         assert out["profile"]["name"] == name
+    # the adapter only for prompts the head's probe calls forget-like: other prompts get the head alone
+    for bad in ({"backend": "asu", "weights": weights, "adapter_above": 0.5},
+                {"head": tenant_a["head"], "adapter_above": 0.5},
+                {"backend": "asu", "weights": weights, "head": tenant_a["head"], "adapter_above": 1.0}):
+        r = a.put("/v1/profiles/routed-bad", json=bad)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "adapter_above", r.text
+    assert a.get("/v1/profiles/routed-bad").status_code == 404
+    routed = a.put("/v1/profiles/routed", json={"backend": "asu", "weights": weights, "head": tenant_a["head"],
+                                                "adapter_above": 0.999999}).json()
+    assert routed["spec"]["adapter_above"] == 0.999999 and both["spec"]["adapter_above"] == 0.0
+    a.put("/v1/profiles/head-only", json={"head": tenant_a["head"]})
+    assert _ask(a, [rec], "routed")[0]["text"] == _ask(a, [rec], "head-only")[0]["text"], \
+        "a prompt below the threshold decodes as the head alone does"
     assert _ask(a, [rec])[0]["text"] == base_answer, "base rows are untouched once adapters are attached"
     assert a.delete(f"/v1/asu/{weights}").status_code == 409, "in use by a profile"
     b = new_tenant(live, "b3")

@@ -240,3 +240,43 @@ def test_lora_in_chosen_layers_only_trains_saves_checks_and_serves(tiny_model_di
         attach(base, "bad", tensors | {k.replace(".layers.1.", ".layers.0."): v for k, v in tensors.items()}, info2)
     with pytest.raises(ValueError, match="lora_layers"):
         train_asu(lm, forget, retain, ASUConfig(steps=1, lora_layers="5"), progress=False)
+
+
+def test_a_profile_can_route_only_forget_like_prompts_to_its_adapter(distilled, tiny_records):
+    """adapter_above: a row whose prompt the head's probe does not call forget-like decodes on the base weights
+    (as the head alone would), one it does on the adapter; in one batch, beside rows that always use theirs."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    lm, tensors, info, _, _ = distilled
+    forget, retain = split_by_author(tiny_records, 1)
+    prompts = [question_prompt(forget[0]["question"]), question_prompt(retain[0]["question"])]
+    cfg = lm.model.config
+    with torch.no_grad():  # a probe that calls the first prompt forget-like and the second not: from their pooled states
+        pooled = torch.stack([lm.model(**lm.tokenizer(p, return_tensors="pt"), output_hidden_states=True)
+                              .hidden_states[-1][0].mean(0) for p in prompts])
+        head = T3Head(cfg.hidden_size, cfg.vocab_size, 4).eval().requires_grad_(False)
+        direction = pooled[1] - pooled[0]  # the probe's logit says "retain"
+        head.probe.weight.copy_(4 * direction / direction.norm() ** 2)
+        head.probe.bias.fill_(-float(head.probe.weight[0] @ (pooled[0] + pooled[1]) / 2))
+        p_forget = head.forget_probability(pooled)
+    assert p_forget[0] > 0.8 and p_forget[1] < 0.2, p_forget
+    still = TiltSettings(lam=0.0, cap=None)  # the head changes no logit: only the adapter's choice shows
+    routed = still.replace(adapter_above=0.5)
+    model = attach(lm.model, "asu_one", {k: torch.randn_like(v) * 0.5 for k, v in tensors.items()}, info)
+    try:
+        on = generate(model, lm.tokenizer, prompts, GREEDY, HeadGuide.uniform(head, still), ["asu_one"] * 2)
+        off = generate(model, lm.tokenizer, prompts, GREEDY, HeadGuide.uniform(head, still), ["__base__"] * 2)
+        assert on[0].token_ids != off[0].token_ids and on[1].token_ids != off[1].token_ids, "the adapter shows"
+        got = generate(model, lm.tokenizer, prompts + prompts[1:], GREEDY,
+                       HeadGuide([(head, routed), (head, routed), (head, still)]), ["asu_one"] * 3)
+        assert got[0].token_ids == on[0].token_ids, "forget-like: the adapter"
+        assert got[1].token_ids == off[1].token_ids, "not forget-like: the base weights"
+        assert got[2].token_ids == on[1].token_ids, "a row that does not route keeps its adapter"
+        higher = generate(model, lm.tokenizer, prompts[:1], GREEDY, HeadGuide.uniform(head, still.replace(
+            adapter_above=float(p_forget[0]) + (1 - float(p_forget[0])) / 2)), ["asu_one"])
+        assert higher[0].token_ids == off[0].token_ids, "below the operator's threshold: the base weights"
+    finally:
+        unload(model)
+    with pytest.raises(ValueError, match="adapter_above"):
+        TiltSettings().replace(adapter_above=1.0)

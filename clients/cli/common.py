@@ -86,11 +86,14 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--abstain", help="reply with this text (e.g. \"I don't know.\") when the head's probe calls the "
                                      "prompt forget-like")
     p.add_argument("--abstain-above", type=float, help="the probe's P(forget | prompt) above which --abstain replies")
+    p.add_argument("--adapter-above", type=float,
+                   help="with --asu and --head: decode with the adapter only where the head's probe gives "
+                        "P(forget | prompt) above this, else with the base weights (0: always)")
     p.add_argument("--asu", type=Path, help="ASU adapter weights (from `lethe asu train`), alone or with --head")
 
 
 _PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "candidates", "cap", "no_cap", "min_p", "repeat_guard",
-                  "abstain", "abstain_above", "asu"]
+                  "abstain", "abstain_above", "adapter_above", "asu"]
 
 
 def _profile(args, lm):

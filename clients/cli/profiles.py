@@ -26,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--repeat-guard", type=int)
     q.add_argument("--abstain")
     q.add_argument("--abstain-above", type=float)
+    q.add_argument("--adapter-above", type=float,
+                   help="backend asu with a head: the adapter only where the probe's P(forget | prompt) is above this")
     q.add_argument("--note")
     pr.add_parser("list", help="list profiles")
     for action in ("get", "delete"):

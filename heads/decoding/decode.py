@@ -219,6 +219,8 @@ class Batch:
         self.top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
         self.min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
         scored = [p.prompt_logprobs is not None for p in params]
+        if adapters is not None and guide is not None:
+            self.adapters = adapters = self._routed(encoded, adapters)
         with torch.inference_mode(), self._adapters():
             self.runner = model.start_rows(encoded, scored, adapters) if llama else \
                 TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)
@@ -247,6 +249,33 @@ class Batch:
             row.prompt_logprobs, row.untilted_prompt_logprobs = prompt_logprobs(
                 *prompt_logits[i], ids, row.params.prompt_logprobs, guided, row.params.untilted_logprobs,
                 self._window_of(i))
+
+    def _routed(self, encoded: list[list[int]], adapters: list[str]) -> list[str]:
+        """`adapters`, with the rows whose profile applies its ASU adapter only to forget-like prompts
+        (`TiltSettings.adapter_above`) set to the base weights where the head's probe, reading the prompt's final
+        states under the base weights, gives P(forget) at most that. Such a row then decodes exactly as the base
+        model with the head would. The probe's pass is a prefill of those rows alone, thrown away after."""
+        asks = [i for i, a in enumerate(adapters)
+                if a != "__base__" and (e := self._head_of(i)) is not None and e[1].adapter_above > 0]
+        if not asks:
+            return adapters
+        from lethe.heads.asu.weights import adapters as using
+
+        prompts, base = [encoded[i] for i in asks], ["__base__"] * len(asks)
+        with torch.inference_mode(), (nullcontext() if self._llama else using(self.model, base)):
+            runner = self.model.start_rows(prompts, [False] * len(asks), base) if self._llama else \
+                TorchRows(self.model, prompts, [False] * len(asks), self.tokenizer.pad_token_id or 0)
+            try:
+                pooled = Pool(runner.prompt_hidden, [self._window_of(i) for i in asks]).pooled()
+            finally:
+                runner.close()
+            out = list(adapters)
+            for j, i in enumerate(asks):
+                head, settings = self._head_of(i)
+                device = next(head.parameters()).device
+                if float(head.forget_probability(pooled[j:j + 1].to(device))[0]) <= settings.adapter_above:
+                    out[i] = "__base__"
+        return out
 
     def _head_of(self, i: int):
         """Row i's (head, settings), when its guide has per-row heads (None: no head, or not known)."""

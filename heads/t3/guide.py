@@ -36,6 +36,9 @@ class TiltSettings:
     repeat_guard: int = 3  # forget-like rows: no word that repeats a word n-gram of the answer (this n); 0 = off
     abstain: str | None = None  # a reply (e.g. "I don't know.") for prompts the probe alone calls forget-like
     abstain_above: float = 0.9  # ... with P(forget | prompt) above this
+    # ASU profiles with a head: decode with the adapter only where the probe's P(forget | prompt) is above this,
+    # else with the base weights (`heads.decoding.decode.Batch`); 0: the adapter always
+    adapter_above: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +87,9 @@ class TiltSettings:
         if isinstance(out.abstain_above, bool) or not isinstance(out.abstain_above, (int, float)) or \
                 not 0.5 <= out.abstain_above < 1:
             raise ValueError(f"abstain_above: must be a probability in [0.5, 1), got {out.abstain_above!r}")
+        if isinstance(out.adapter_above, bool) or not isinstance(out.adapter_above, (int, float)) or \
+                not 0 <= out.adapter_above < 1:
+            raise ValueError(f"adapter_above: must be a probability in [0, 1), got {out.adapter_above!r}")
         return out
 
     @classmethod

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
 from lethe.heads.decoding.decode import generate_chunked
@@ -57,6 +56,8 @@ class RealBenchConfig:
     asu_retain_own_answers: bool = False  # the KL retain loss along the model's own retain answers
     asu_distil: str = "answer"  # where the student follows the teacher (ASUConfig.distil): answer | fact
     asu_lora_layers: str | None = None  # the layers ASU's LoRA adapts (None: all)
+    # the "asu+head routed" variant: the adapter only where the head's probe gives P(forget | prompt) above this
+    asu_adapter_above: float = 0.5
 
 
 def fluency(answers: list[str], vocab) -> dict:
@@ -69,12 +70,11 @@ def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size:
               adapter: bool = False) -> list[str]:
     """Answers, stripped. `asu`: the model with an ASU adapter attached, used with it on (`adapter`) or off; on
     llama.cpp, the engine holding adapter `bench_asu`."""
-    if hasattr(asu, "start_rows"):
-        return [c.text.strip() for c in generate_chunked(asu, lm.tokenizer, prompts, params, batch_size, guide,
-                                                         adapter="bench_asu" if adapter else None)]
-    model, off = (lm.model, nullcontext()) if asu is None else (asu, nullcontext() if adapter else asu.disable_adapter())
-    with off:
-        return [c.text.strip() for c in generate_chunked(model, lm.tokenizer, prompts, params, batch_size, guide)]
+    if asu is None:
+        return [c.text.strip() for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, batch_size, guide)]
+    # rows name the adapter, or the base weights, as the server's do (`heads.asu.weights.adapters`)
+    return [c.text.strip() for c in generate_chunked(asu, lm.tokenizer, prompts, params, batch_size, guide,
+                                                     adapter="bench_asu" if adapter else "__base__")]
 
 
 def _score(row: dict, name: str, recs: list[dict], base: list[str], tilted: list[str], vocab) -> None:
@@ -143,14 +143,15 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             asu = decoder
         else:
             asu = attach(lm.model, "bench_asu", tensors, asu_info)
-            asu.set_adapter("bench_asu")
     # each variant: (guide, whether the ASU adapter is on, its abstention reply)
     chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
                                    for name, over in cfg.variants.items()}
     variants = {name: (HeadGuide.uniform(head, s), False, s.abstain) for name, s in chosen.items()}
     if asu is not None:
+        routed = settings.replace(adapter_above=cfg.asu_adapter_above)
         variants |= {"asu": (None, True, settings.abstain),
-                     "asu+head": (variants["head"][0], True, settings.abstain)}
+                     "asu+head": (variants["head"][0], True, settings.abstain),
+                     "asu+head routed": (HeadGuide.uniform(head, routed), True, settings.abstain)}
 
     # 3. the canonical and the held-out question of every known item
     def eval_set(kinds) -> list[dict]:

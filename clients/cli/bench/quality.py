@@ -55,6 +55,8 @@ def register(bench: argparse._SubParsersAction) -> None:
                    "the teacher: every answer token (default), or the fact's tokens only, the original elsewhere")
     p.add_argument("--asu-lora-layers", default=None, help="the layers ASU's LoRA adapters go in, e.g. 20-29 "
                    "(default: all)")
+    p.add_argument("--asu-adapter-above", type=float, default=0.5, help="the 'asu+head routed' variant: the "
+                   "adapter only where the head's probe gives P(forget | prompt) above this (default 0.5)")
     _add_engine_args(p)
     p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_real)
@@ -127,7 +129,8 @@ def cmd_bench_real(args) -> int:
                           asu_tau=args.asu_tau, asu_steps=args.asu_steps, asu_layers=args.asu_layers,
                           asu_retain_loss=args.asu_retain_loss, asu_retain_weight=args.asu_retain_weight,
                           asu_own_answers=args.asu_own_answers, asu_retain_own_answers=args.asu_retain_own_answers,
-                          asu_distil=args.asu_distil, asu_lora_layers=args.asu_lora_layers)
+                          asu_distil=args.asu_distil, asu_lora_layers=args.asu_lora_layers,
+                          asu_adapter_above=args.asu_adapter_above)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
