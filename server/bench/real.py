@@ -146,7 +146,9 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
     # each variant: (guide, whether the ASU adapter is on, its abstention reply)
     chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
                                    for name, over in cfg.variants.items()}
-    variants = {name: (HeadGuide.uniform(head, s), False, s.abstain) for name, s in chosen.items()}
+    # a variant that routes (adapter_above > 0) decodes with the ASU adapter where it routes to it
+    variants = {name: (HeadGuide.uniform(head, s), asu is not None and s.adapter_above > 0, s.abstain)
+                for name, s in chosen.items()}
     if asu is not None:
         routed = settings.replace(adapter_above=cfg.asu_adapter_above)
         variants |= {"asu": (None, True, settings.abstain),

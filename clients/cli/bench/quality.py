@@ -39,7 +39,8 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--settings", type=_json_object, default={},
                    help='tilt settings over the head\'s recommendation, as JSON, e.g. \'{"repeat_guard": 0}\'')
     p.add_argument("--variant", type=_named_json, action="append", default=[], metavar="NAME=JSON",
-                   help="further settings to compare on the same head and base answers (repeatable)")
+                   help="further settings to compare on the same head and base answers (repeatable); with "
+                        "--asu-tau, one with adapter_above routes forget-like prompts to the ASU adapter")
     p.add_argument("--asu-tau", type=float, help="also train ASU at this tau on the same sets and report it alone "
                                                  "and with the head (variants asu, asu+head)")
     p.add_argument("--asu-steps", type=int, default=300, help="ASU training steps (default 300)")
