@@ -6,7 +6,8 @@ Sampling: temperature, top_p, vLLM's top_k and min_p, presence and frequency pen
 applied after the profile's tilt, on the distribution actually sampled. `logprobs` / `top_logprobs` are
 those of the distribution each token was drawn from, after the tilt (`heads.decoding.logprobs`); with
 `lethe_untilted_logprobs` the base model's come too. Completions' `echo` with `logprobs` scores the
-prompt (`max_tokens: 0` for the prompt alone, as lm-evaluation-harness asks). Fields that would change
+prompt (`max_tokens: 0` for the prompt alone, as lm-evaluation-harness asks). Under an ASU profile each
+choice says whether it decoded with the adapter (`lethe_adapter`; in a stream, in the choice's last chunk). Fields that would change
 the answer and that Lethe does not implement (`repetition_penalty`, `logit_bias`, `tools`, a
 `response_format` other than text, `best_of`, `suffix`) are refused with a 400 naming them; others
 (`user`, ...) are ignored.
@@ -359,7 +360,7 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
 
     def choice(i: int, c: Completion) -> dict:
         out = {"index": i, "text": echoes[i] + c.text, "finish_reason": c.finish_reason,
-               "logprobs": logprobs(c, _generated(c))}
+               "logprobs": logprobs(c, _generated(c))} | _adapter(choices, c)
         if body.lethe_untilted_logprobs and body.logprobs is not None:
             out["lethe_untilted_logprobs"] = logprobs(c, _generated(c, True), True)
         return out
@@ -383,12 +384,24 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
                                           "finish_reason": finish, "logprobs": lp})
 
         return stream(request, [(p, params, r) for _, p, params, r in choices], piece,
-                      lambda i, c, rest: piece(i, "", rest, c.finish_reason),
+                      lambda i, c, rest: _with_adapter(piece(i, "", rest, c.finish_reason), choices, c),
                       lambda done: _stream_usage(body, done, lambda usage: _envelope(head, used, None, usage)),
                       headers)
     done = await _complete_all(request, choices)
     return await _answer(lambda: _envelope(head, used, [choice(i, c) for (i, *_), c in zip(choices, done)],
                                            _usage(done, body.n)), headers)
+
+
+def _adapter(choices: list, c: Completion) -> dict:
+    """A choice's `lethe_adapter` under an ASU profile: whether it decoded with the adapter (a profile with
+    adapter_above decodes the prompts its probe does not call forget-like without it); nothing otherwise."""
+    return {} if choices[0][3].adapter is None else {"lethe_adapter": c.adapter is not None}
+
+
+def _with_adapter(chunk: dict, choices: list, c: Completion) -> dict:
+    """A completion stream's last chunk of a choice, with its `lethe_adapter`."""
+    chunk["choices"][0] |= _adapter(choices, c)
+    return chunk
 
 
 def _stream_usage(body: OpenAIRequest, done: list[Completion], envelope) -> list[dict]:
@@ -440,7 +453,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
             return envelope("chat.completion.chunk", out | ({"logprobs": logprobs(entries)} if body.logprobs else {}))
 
         def last(i: int, c: Completion, rest: list | None) -> dict:
-            out = {"index": choices[i][0], "delta": {}, "finish_reason": c.finish_reason}
+            out = {"index": choices[i][0], "delta": {}, "finish_reason": c.finish_reason} | _adapter(choices, c)
             return envelope("chat.completion.chunk", out | ({"logprobs": logprobs(rest)} if body.logprobs else {}))
 
         return stream(request, [(p, params, r) for _, p, params, r in choices], delta, last,
@@ -450,7 +463,7 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
 
     def choice(i: int, c: Completion) -> dict:
         out = {"index": i, "message": {"role": "assistant", "content": c.text.lstrip()},
-               "finish_reason": c.finish_reason, "logprobs": logprobs(c.logprobs)}
+               "finish_reason": c.finish_reason, "logprobs": logprobs(c.logprobs)} | _adapter(choices, c)
         if body.lethe_untilted_logprobs and body.logprobs:
             out["lethe_untilted_logprobs"] = logprobs(c.untilted_logprobs)
         return out

@@ -401,8 +401,21 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
                                                 "adapter_above": 0.999999}).json()
     assert routed["spec"]["adapter_above"] == 0.999999 and both["spec"]["adapter_above"] == 0.0
     a.put("/v1/profiles/head-only", json={"head": tenant_a["head"]})
-    assert _ask(a, [rec], "routed")[0]["text"] == _ask(a, [rec], "head-only")[0]["text"], \
+    served = _ask(a, [rec], "routed")[0]
+    assert served["text"] == _ask(a, [rec], "head-only")[0]["text"], \
         "a prompt below the threshold decodes as the head alone does"
+    # every answer says what it decoded with: the adapter, or (routed away from it) not
+    assert served["profile"]["adapter"] is False and _ask(a, [rec], "asu-t3")[0]["profile"]["adapter"] is True
+    assert _ask(a, [rec], "head-only")[0]["profile"]["adapter"] is None
+    prompt = {"prompt": question_prompt(rec["question"]), "max_tokens": 8, "temperature": 0}
+    for model, adapter in (("routed", False), ("asu-t3", True)):
+        out = a.post("/v1/completions", json=prompt | {"model": model}).json()
+        assert out["choices"][0]["lethe_adapter"] is adapter, out
+        chat = a.post("/v1/chat/completions", json={"model": model, "max_tokens": 8, "stream": True,
+                                                    "messages": [{"role": "user", "content": rec["question"]}]})
+        chunks = [json.loads(line[6:]) for line in chat.text.splitlines() if line.startswith("data: {")]
+        assert [c["choices"][0]["lethe_adapter"] for c in chunks if "lethe_adapter" in c["choices"][0]] == [adapter]
+    assert "lethe_adapter" not in a.post("/v1/completions", json=prompt | {"model": "head-only"}).json()["choices"][0]
     assert _ask(a, [rec])[0]["text"] == base_answer, "base rows are untouched once adapters are attached"
     assert a.delete(f"/v1/asu/{weights}").status_code == 409, "in use by a profile"
     b = new_tenant(live, "b3")

@@ -203,8 +203,10 @@ def test_cli_bench_t3_reports_every_ratio_for_the_model_and_for_a_size_sweep(tin
     assert main(["bench", "t3", *common, "--asu", str(tmp_path / "asu.safetensors"),
                  "--out", str(tmp_path / "a.json")]) == 0
     asu = ("asu_over_no_head", "asu_t3_over_no_head", "asu_unmerged_over_no_head", "asu_per_row_routing_over_no_head",
-           "asu_mixed_with_base_over_no_head", "asu_model_base_rows_over_no_head")
-    assert all(row[k] > 0 for row in json.loads((tmp_path / "a.json").read_text())["decode"] for k in asu)
+           "asu_mixed_with_base_over_no_head", "asu_model_base_rows_over_no_head", "asu_t3_routed_over_no_head")
+    decoded = json.loads((tmp_path / "a.json").read_text())["decode"]
+    assert all(row[k] > 0 for row in decoded for k in asu)
+    assert [0 <= row["asu_t3_routed_adapter_rows"] <= row["batch"] for row in decoded] == [True, True]
     assert main(["bench", "t3", *common, "--random-model", "32,1", "64,2", "--out", str(tmp_path / "s.json")]) == 0
     models = json.loads((tmp_path / "s.json").read_text())["models"]
     assert [(m["hidden"], m["layers"]) for m in models] == [(32, 1), (64, 2)]

@@ -53,6 +53,7 @@ class Completion:
     prompt_ids: list[int] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
+    adapter: str | None = None  # the ASU adapter it decoded with (None: the base weights)
 
     @property
     def completion_tokens(self) -> int:
@@ -188,12 +189,13 @@ class Row:
     untilted_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
+    adapter: str | None = None  # the ASU adapter it decodes with (None: the base weights)
 
     def completion(self) -> Completion:
         asked = self.params.prompt_logprobs is not None
         return Completion(self.text, self.token_ids, self.finish_reason or "length", self.prompt_tokens,
                           self.logprobs, self.untilted_logprobs, self.prompt_ids if asked else None,
-                          self.prompt_logprobs, self.untilted_prompt_logprobs)
+                          self.prompt_logprobs, self.untilted_prompt_logprobs, self.adapter)
 
 
 class Batch:
@@ -221,6 +223,8 @@ class Batch:
         scored = [p.prompt_logprobs is not None for p in params]
         if adapters is not None and guide is not None:
             self.adapters = adapters = self._routed(encoded, adapters)
+        for row, name in zip(self.rows, adapters or []):
+            row.adapter = None if name == "__base__" else name
         with torch.inference_mode(), self._adapters():
             self.runner = model.start_rows(encoded, scored, adapters) if llama else \
                 TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)

@@ -380,15 +380,20 @@ class AttackBench:
         seconds = time.perf_counter() - started
         made = job["head"] if backend == "t3" else job["weights"]
         spec = {"head": made} if backend == "t3" else {"backend": "asu", "weights": made}
-        r = self.http.put(f"/v1/profiles/{profile}", json=spec | self.cfg.settings)
-        if r.status_code >= 400:
-            raise RuntimeError(f"PUT /v1/profiles/{profile}: {r.status_code} {r.text[:500]}")
-        self.memo = {k: v for k, v in self.memo.items() if k[0] != profile}  # its answers are the last version's
+        put = self.set_profile(profile, spec)
         self.log(f"{backend} {made}: {len(sets['forget'])} forget and {len(sets['retain'])} retain records in "
                  f"{seconds:.1f} s" + (" (and each fact alone as an answer)" if self.cfg.facts else ""))
         return {"id": made, "job": job["id"], "request": body, "train_seconds": round(seconds, 2),
                 "job_seconds": round(job["finished"] - job["started"], 2), "metrics": job["metrics"],
-                "profile": r.json()}
+                "profile": put}
+
+    def set_profile(self, profile: str, spec: dict) -> dict:
+        """Put `spec` (with the bench's settings over it) in `profile`; its answers asked so far are forgotten."""
+        r = self.http.put(f"/v1/profiles/{profile}", json=spec | self.cfg.settings)
+        if r.status_code >= 400:
+            raise RuntimeError(f"PUT /v1/profiles/{profile}: {r.status_code} {r.text[:500]}")
+        self.memo = {k: v for k, v in self.memo.items() if k[0] != profile}  # its answers are the last version's
+        return r.json()
 
     # ---- one context
 

@@ -4,8 +4,9 @@ The facts are `lethe bench attacks`'s (`AttackBench`): on a chat model the capit
 demo its forget authors (the fifth group is the retain set's first author, moved to the forget side). The
 forget subjects are dealt into `requests` disjoint groups. Request k is applied as a tenant would apply it: the
 forget set becomes the union of groups 1..k, a new head (T3) or new ASU weights (ASU, distilled from the base on
-that union) are trained by the server's job, and the one profile of that backend is set to them (a hot swap;
-its earlier versions stay in its history). After each request every group's canonical questions are asked
+that union) or both (`asu+t3`: one profile with the weights and the head, the adapter only for prompts the head's
+probe calls forget-like, `adapter_above`) are trained by the server's jobs, and the one profile of that backend is
+set to them (a hot swap; its earlier versions stay in its history). After each request every group's canonical questions are asked
 through the served route with the profile and without it (greedy): the groups requested so far should be
 forgotten, the others still answered, and retain answers identical to the base model's.
 
@@ -28,6 +29,7 @@ class ContinualConfig:
     limit: int | None = None  # retain questions asked, at most (None: all)
     asu: dict = field(default_factory=dict)  # the ASU job's settings (tau, layers, steps, retain_loss, ...)
     settings: dict = field(default_factory=dict)  # profile settings over the head's or the weights' defaults
+    adapter_above: float = 0.5  # backend asu+t3: the probe's P(forget | prompt) above which the adapter decodes
     workers: int = 16
 
 
@@ -60,6 +62,16 @@ class ContinualBench(AttackBench):
                          "hits_profile": _share([hit(p[0], r["gold"]) for r, _, p in pairs])}
         return out
 
+    def _asu_with_head(self, profile: str) -> dict:
+        """A head and ASU weights on the same sets, in one profile that sends the prompts the head's probe calls
+        forget-like to the adapter and the others to the base weights with the head."""
+        head = self.train("t3", None, f"{profile}-head")
+        made = self.train("asu", self.continual.asu, f"{profile}-weights")
+        put = self.set_profile(profile, {"backend": "asu", "weights": made["id"], "head": head["id"],
+                                         "adapter_above": self.continual.adapter_above})
+        return made | {"id": f"{made['id']}+{head['id']}", "profile": put,
+                       "train_seconds": round(made["train_seconds"] + head["train_seconds"], 2)}
+
     def run(self) -> dict:
         started = time.perf_counter()
         n = self.continual.requests
@@ -69,12 +81,13 @@ class ContinualBench(AttackBench):
         retain = spread(all_facts.retain_pool, self.continual.limit)
         rows = []
         for backend in self.continual.backends:
-            profile = f"continual-{backend}"
+            profile = f"continual-{backend.replace('+', '-')}"
             for k in range(1, n + 1):
                 asked = {s for group in groups[:k] for s in group}
                 self.facts = replace(all_facts, forget_train=[r for r in all_facts.forget_train
                                                               if r["subject"] in asked])
-                made = self.train(backend, self.continual.asu if backend == "asu" else None, profile)
+                made = self._asu_with_head(profile) if backend == "asu+t3" else \
+                    self.train(backend, self.continual.asu if backend == "asu" else None, profile)
                 row = {"backend": backend, "request": k, "forget_train": len(self.facts.forget_train),
                        "train_seconds": made["train_seconds"], "made": made["id"],
                        "profile_version": made["profile"].get("version")}

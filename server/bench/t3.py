@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from lethe.heads.t3.cache import build_cache
-from lethe.heads.decoding.decode import generate
+from lethe.heads.decoding.decode import Batch, generate
 from lethe.heads.t3.guide import HeadGuide, TiltSettings
 from lethe.heads.t3.head import T3Head
 from lethe.heads.records import ask, examples, resolve_format
@@ -72,7 +72,9 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
     """Seconds per decode, with and without the head and with `model.generate`, at batch 1 and 8.
 
     With `asu_model` (the same base with an adapter `asu_bench` attached), also with the ASU adapter, alone
-    (merged into the base weights; unmerged; routed per row) and with the head, a batch mixing adapter and base
+    (merged into the base weights; unmerged; routed per row) and with the head, with the head deciding by its probe
+    which prompts decode with the adapter (`TiltSettings.adapter_above` 0.5: a prefill more for those rows, and a
+    batch that mixes adapter and base rows where the prompts are of both kinds), a batch mixing adapter and base
     rows, and base rows alone on that model."""
     model, tok = lm.model, lm.tokenizer
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -89,8 +91,10 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
         if asu_model is not None:
             names = ["asu_bench"] * batch
             mixed = ["asu_bench" if i % 2 == 0 else "__base__" for i in range(batch)]
+            routed = HeadGuide.uniform(head, settings.replace(adapter_above=0.5))
             variants |= {"asu": lambda: generate(asu_model, tok, ps, params, adapters=names),
                          "asu_t3": lambda: generate(asu_model, tok, ps, params, guide, adapters=names),
+                         "asu_t3_routed": lambda: generate(asu_model, tok, ps, params, routed, adapters=names),
                          "asu_mixed_with_base": lambda: generate(asu_model, tok, ps, params, adapters=mixed),
                          "asu_per_row_routing": lambda: _routed(asu_model, names, lambda: generate(
                              asu_model, tok, ps, params)),
@@ -108,10 +112,14 @@ def bench_decode(lm, head: T3Head, prompts: list[str], new_tokens: int = 32, rep
                "t3_tensor_ops_over_no_head": _paired_ratio(runs, "t3_tensor_ops", "no_head"),
                "t3_ms_per_token": round((t["t3"] - t["no_head"]) / new_tokens * 1e3, 3),
                "no_head_ms_per_token": round(t["no_head"] / new_tokens * 1e3, 3)}
-        for k in ("asu", "asu_t3", "asu_mixed_with_base", "asu_model_base_rows", "asu_per_row_routing",
-                  "asu_unmerged"):
+        for k in ("asu", "asu_t3", "asu_t3_routed", "asu_mixed_with_base", "asu_model_base_rows",
+                  "asu_per_row_routing", "asu_unmerged"):
             if k in runs:
                 row[f"{k}_over_no_head"] = _paired_ratio(runs, k, "no_head")
+        if asu_model is not None:  # how many of the batch's prompts the probe sent to the adapter
+            probe = Batch(asu_model, tok, ps, [params] * batch, routed, names)
+            row["asu_t3_routed_adapter_rows"] = probe.adapters.count("asu_bench")
+            probe.close()
         rows.append(row)
     return rows
 

@@ -22,8 +22,11 @@ def register(bench: argparse._SubParsersAction) -> None:
                                      "bench extra (pip install 'lethe[bench]').")
     _add_model_args(p)
     p.add_argument("--requests", type=int, default=5, help="forget requests (disjoint groups), default 5")
-    p.add_argument("--backends", nargs="+", choices=("t3", "asu"), default=["t3"],
-                   help="backends measured one after the other (default t3)")
+    p.add_argument("--backends", nargs="+", choices=("t3", "asu", "asu+t3"), default=["t3"],
+                   help="backends measured one after the other (default t3); asu+t3: ASU weights and a head in one "
+                        "profile, the adapter for the prompts the head's probe calls forget-like")
+    p.add_argument("--adapter-above", type=float, default=0.5,
+                   help="backend asu+t3: the probe's P(forget | prompt) above which the adapter decodes (default 0.5)")
     p.add_argument("--limit", type=int, default=None, help="retain questions asked, at most (default: all)")
     p.add_argument("--asu", type=_json_object, default={},
                    help='the ASU job\'s settings, as JSON, e.g. \'{"tau": 16, "steps": 300}\' (default: the job\'s)')
@@ -40,6 +43,7 @@ def _command(args) -> str:
     words = ["lethe", "bench", "continual", "--model", shown_path(args.model), "--requests", str(args.requests),
              "--backends", *args.backends]
     words += ["--limit", str(args.limit)] * (args.limit is not None)
+    words += ["--adapter-above", str(args.adapter_above)] * ("asu+t3" in args.backends)
     words += ["--asu", f"'{json.dumps(args.asu)}'"] * bool(args.asu)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
@@ -52,5 +56,5 @@ def cmd_bench_continual(args) -> int:
         print("lethe bench continual: --requests must be at least 1", file=sys.stderr)
         return 2
     cfg = ContinualConfig(requests=args.requests, backends=tuple(args.backends), limit=args.limit, asu=args.asu,
-                          settings=args.settings)
+                          settings=args.settings, adapter_above=args.adapter_above)
     return run_server_bench(args, _command(args), run, cfg, markdown)

@@ -108,6 +108,8 @@ def _print_bench_decode(rows: list[dict]) -> None:
         if "asu_over_no_head" in row:
             print(f"decode batch {row['batch']}: ASU / no adapter = {row['asu_over_no_head']:.3f}x, "
                   f"ASU + T3 = {row['asu_t3_over_no_head']:.3f}x, "
+                  f"ASU + T3 routed by the probe = {row['asu_t3_routed_over_no_head']:.3f}x "
+                  f"({row['asu_t3_routed_adapter_rows']}/{row['batch']} rows on the adapter), "
                   f"half ASU rows, half base rows = {row['asu_mixed_with_base_over_no_head']:.3f}x, "
                   f"base rows on the adapted model = {row['asu_model_base_rows_over_no_head']:.3f}x, "
                   f"ASU unmerged (the release before) = {row['asu_unmerged_over_no_head']:.3f}x, "
