@@ -447,8 +447,7 @@ def create_app(settings: Settings | None = None, lm: LoadedModel | None = None, 
         used = ProfileUsed(name=resolved.name, version=resolved.version)
 
         def response(c) -> GenerateResponse:
-            served = used if resolved.adapter is None else used.model_copy(update={"adapter": c.adapter is not None})
-            return GenerateResponse(text=c.text, finish_reason=c.finish_reason, profile=served,
+            return GenerateResponse(text=c.text, finish_reason=c.finish_reason, profile=used,
                                     usage=Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                                                 total_tokens=c.prompt_tokens + c.completion_tokens))
 

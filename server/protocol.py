@@ -111,9 +111,6 @@ class Usage(BaseModel):
 class ProfileUsed(BaseModel):
     name: str | None
     version: int | None
-    adapter: bool | None = Field(None, description="ASU profiles: whether this answer decoded with the ASU adapter "
-                                                   "(with adapter_above, a prompt the probe does not call "
-                                                   "forget-like decodes without it); null otherwise.")
 
 
 class GenerateResponse(BaseModel):

@@ -404,9 +404,7 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     served = _ask(a, [rec], "routed")[0]
     assert served["text"] == _ask(a, [rec], "head-only")[0]["text"], \
         "a prompt below the threshold decodes as the head alone does"
-    # every answer says what it decoded with: the adapter, or (routed away from it) not
-    assert served["profile"]["adapter"] is False and _ask(a, [rec], "asu-t3")[0]["profile"]["adapter"] is True
-    assert _ask(a, [rec], "head-only")[0]["profile"]["adapter"] is None
+    # every OpenAI choice says what it decoded with: the adapter, or (routed away from it) not
     prompt = {"prompt": question_prompt(rec["question"]), "max_tokens": 8, "temperature": 0}
     for model, adapter in (("routed", False), ("asu-t3", True)):
         out = a.post("/v1/completions", json=prompt | {"model": model}).json()
