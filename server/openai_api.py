@@ -7,8 +7,8 @@ applied after the profile's tilt, on the distribution actually sampled. `logprob
 those of the distribution each token was drawn from, after the tilt (`heads.decoding.logprobs`); with
 `lethe_untilted_logprobs` the base model's come too. Completions' `echo` with `logprobs` scores the
 prompt (`max_tokens: 0` for the prompt alone, as lm-evaluation-harness asks). Under an ASU profile each
-choice says whether it decoded with the adapter (`lethe_adapter`; in a stream, in the choice's last chunk). Fields that would change
-the answer and that Lethe does not implement (`repetition_penalty`, `logit_bias`, `tools`, a
+choice says whether it decoded with the adapter (`lethe_adapter`; in a stream, in the choice's last chunk).
+Fields that would change the answer and that Lethe does not implement (`repetition_penalty`, `logit_bias`, `tools`, a
 `response_format` other than text, `best_of`, `suffix`) are refused with a 400 naming them; others
 (`user`, ...) are ignored.
 

@@ -6,8 +6,8 @@ forget subjects are dealt into `requests` disjoint groups. Request k is applied 
 forget set becomes the union of groups 1..k, a new head (T3) or new ASU weights (ASU, distilled from the base on
 that union) or both (`asu+t3`: one profile with the weights and the head, the adapter only for prompts the head's
 probe calls forget-like, `adapter_above`) are trained by the server's jobs, and the one profile of that backend is
-set to them (a hot swap; its earlier versions stay in its history). After each request every group's canonical questions are asked
-through the served route with the profile and without it (greedy): the groups requested so far should be
+set to them (a hot swap; its earlier versions stay in its history). After each request every group's canonical
+questions are asked through the served route with the profile and without it (greedy): the groups requested so far should be
 forgotten, the others still answered, and retain answers identical to the base model's.
 
 Bars (issue 26): after the last request, forget hits <= 0.05 for each group and retain identical >= 0.85.
