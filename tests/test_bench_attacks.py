@@ -42,3 +42,11 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} | greedy |" in table for name in english) and "| raw | forget |" in table
     assert report["command"].startswith("lethe bench attacks --model ") and "--quick" in report["command"]
+    assert report["engine"] == "torch" and "--engine" not in report["command"]  # the server's own /version
+
+
+def test_bench_attacks_refuses_a_gguf_file_without_the_llamacpp_engine(tmp_path, capsys):
+    from lethe.clients.cli import main
+
+    assert main(["bench", "attacks", "--gguf", str(tmp_path / "m.gguf"), "--port", str(_free_port())]) == 2
+    assert "--gguf names the file the llama.cpp engine decodes: add --engine llamacpp" in capsys.readouterr().err

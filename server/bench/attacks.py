@@ -199,7 +199,8 @@ class AttackBench:
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {r.json()['api_key']}"},
                                  timeout=600)
         self.base = self._get("/v1/models")["data"][-1]["id"]  # the served model's name, else `base`
-        self.context_length = self._get("/version")["max_model_len"]
+        version = self._get("/version")
+        self.context_length, self.engine = version["max_model_len"], version["engine"]
         self.chat = bool(getattr(lm.tokenizer, "chat_template", None))
         self.max_tokens = 40 if self.chat else 24
         self.memo: dict[tuple[str, str], tuple[str, int]] = {}  # (model, request): (text, prompt tokens)
@@ -472,7 +473,7 @@ class AttackBench:
         vocab = EnglishWords()
         rows = [self.row(ctx, label, runs, vocab) for label, runs in self.decodings() for ctx in contexts]
         report = {
-            "model": shown_path(self.lm.path), "fingerprint": self.lm.fingerprint,
+            "model": shown_path(self.lm.path), "fingerprint": self.lm.fingerprint, "engine": self.engine,
             "format": "chat" if self.chat else "qa",
             "route": "/v1/chat/completions" if self.chat else "/v1/completions",
             "config": asdict(self.cfg), "max_tokens": self.max_tokens, "context_length": self.context_length,
@@ -579,7 +580,8 @@ def _arrow(base, profile) -> str:
 
 def markdown(report: dict) -> str:
     """One row per context and decoding, then the log-likelihood table and the bars."""
-    lines = [f"`{report['model']}` ({report['format']}, {report['route']}), head trained in "
+    lines = [f"`{report['model']}` ({report['format']}, {report['route']}, engine {report.get('engine', 'torch')}), "
+             f"head trained in "
              f"{report['head']['train_seconds']} s on {report['facts']['train_records'][0]} forget and "
              f"{report['facts']['train_records'][1]} retain records; {report['facts']['forget_asked']} forget and "
              f"{report['facts']['retain_asked']} retain questions.", "",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from lethe.clients.cli.bench.quality import _json_object
-from lethe.clients.cli.common import _add_model_args, _offline_defaults
+from lethe.clients.cli.common import _add_engine_args, _add_model_args, _offline_defaults
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -41,7 +41,9 @@ def register(bench: argparse._SubParsersAction) -> None:
 
 
 def add_server_bench_args(p: argparse.ArgumentParser, port: int) -> None:
-    """`--settings`, `--port` and `--out` of a bench that runs a server of its own."""
+    """`--engine`, `--gguf`, `--settings`, `--port` and `--out` of a bench that runs a server of its own (its
+    training jobs run on torch whatever the engine, as a server's do)."""
+    _add_engine_args(p)
     p.add_argument("--settings", type=_json_object, default={},
                    help='profile settings over the head\'s (or weights\') defaults, as JSON, e.g. \'{"gate": false}\'')
     p.add_argument("--port", type=int, default=None, help=f"port (default {port})")
@@ -53,7 +55,7 @@ def _command(args) -> str:
     """The command line that makes this run again."""
     from lethe.server.bench import shown_path
 
-    words = ["lethe", "bench", "attacks", "--model", shown_path(args.model)]
+    words = ["lethe", "bench", "attacks", "--model", shown_path(args.model), *engine_words(args)]
     words += ["--limit", str(args.limit)] * (args.limit is not None) + ["--quick"] * args.quick
     words += ["--pooling-window", str(args.pooling_window)] * (args.pooling_window is not None)
     words += ["--contexts", str(args.contexts)] * (args.contexts is not None)
@@ -61,6 +63,14 @@ def _command(args) -> str:
     words += ["--no-facts"] * (not args.facts)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
+
+
+def engine_words(args) -> list[str]:
+    """`--engine llamacpp` and `--gguf FILE` as given, for a report's command line (nothing for torch)."""
+    from lethe.server.bench import shown_path
+
+    words = ["--engine", args.engine] * (args.engine != "torch")
+    return words + (["--gguf", shown_path(args.gguf)] if args.gguf is not None else [])
 
 
 def cmd_bench_attacks(args) -> int:

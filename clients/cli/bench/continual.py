@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lethe.clients.cli.bench.attacks import add_server_bench_args, run_server_bench
+from lethe.clients.cli.bench.attacks import add_server_bench_args, engine_words, run_server_bench
 from lethe.clients.cli.bench.quality import _json_object
 from lethe.clients.cli.common import _add_model_args
 
@@ -40,8 +40,8 @@ def _command(args) -> str:
 
     from lethe.server.bench import shown_path
 
-    words = ["lethe", "bench", "continual", "--model", shown_path(args.model), "--requests", str(args.requests),
-             "--backends", *args.backends]
+    words = ["lethe", "bench", "continual", "--model", shown_path(args.model), *engine_words(args),
+             "--requests", str(args.requests), "--backends", *args.backends]
     words += ["--limit", str(args.limit)] * (args.limit is not None)
     words += ["--adapter-above", str(args.adapter_above)] * ("asu+t3" in args.backends)
     words += ["--asu", f"'{json.dumps(args.asu)}'"] * bool(args.asu)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lethe.clients.cli.common import _add_model_args, _modes, _offline_defaults
+from lethe.clients.cli.common import UsageError, _add_model_args, _modes, _offline_defaults
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -85,14 +85,25 @@ def _own_server(args, **settings):
     from lethe.server.app import create_app
     from lethe.server.settings import Settings
 
+    engine, gguf = getattr(args, "engine", "torch"), getattr(args, "gguf", None)
+    if gguf is not None and engine != "llamacpp":
+        raise UsageError("--gguf names the file the llama.cpp engine decodes: add --engine llamacpp")
+
     @contextmanager
     def running():
         with tempfile.TemporaryDirectory() as data:
             config = Settings(model=args.model, device=args.device, dtype=args.dtype, data_dir=Path(data),
-                              port=args.port, **settings)
+                              port=args.port, engine=engine, gguf=gguf, **settings)
+            decoder, checked = None, None
+            if engine == "llamacpp":  # the build and the file, before the model loads (as `lethe serve` does)
+                from lethe.heads.decoding.llamacpp import gguf_for, open_gguf
+
+                checked = gguf_for(config.model, config.gguf)
             lm = load_model(args.model, args.device, args.dtype)
-            server = uvicorn.Server(uvicorn.Config(create_app(config, lm), host="127.0.0.1", port=args.port,
-                                                   log_level="warning"))
+            if checked is not None:
+                decoder = open_gguf(lm, config.gguf, config.max_batch_size, config.max_model_len, checked)
+            server = uvicorn.Server(uvicorn.Config(create_app(config, lm, decoder=decoder), host="127.0.0.1",
+                                                   port=args.port, log_level="warning"))
             thread = threading.Thread(target=server.run, daemon=True)
             thread.start()
             url = f"http://127.0.0.1:{args.port}"
