@@ -17,7 +17,8 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     from lethe.server.bench.attacks import CONTEXTS
 
     out = tmp_path / "attacks.json"
-    assert main(["bench", "attacks", "--quick", "--limit", "4", "--port", str(_free_port()), "--out", str(out)]) == 0
+    assert main(["bench", "attacks", "--quick", "--limit", "4", "--seed", "3", "--port", str(_free_port()),
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {r["context"]: r for r in report["rows"]}
     english = [c.name for c in CONTEXTS if c.language is None]
@@ -43,6 +44,7 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     assert all(f"| {name} | greedy |" in table for name in english) and "| raw | forget |" in table
     assert report["command"].startswith("lethe bench attacks --model ") and "--quick" in report["command"]
     assert report["engine"] == "torch" and "--engine" not in report["command"]  # the server's own /version
+    assert report["head"]["request"]["seed"] == 3 and "--seed 3" in report["command"]  # the head job's draw
 
 
 def test_bench_attacks_refuses_a_gguf_file_without_the_llamacpp_engine(tmp_path, capsys):
