@@ -10,7 +10,7 @@ from lethe.heads.demo.corpus import split_by_author
 from lethe.heads.records import Context, ask, examples, qa_example
 from lethe.heads.t3 import cache as cache_module
 from lethe.heads.t3.cache import build_cache, context_shifts
-from lethe.heads.t3.contexts import RETAIN_PER_FORGET, context_counts, context_examples, draw_contexts
+from lethe.heads.t3.contexts import RETAIN_PER_FORGET, SMALL_TALK, context_counts, context_examples, draw_contexts
 from lethe.heads.t3.pipeline import train_head
 from lethe.heads.t3.train import FitConfig, shifted
 
@@ -51,6 +51,14 @@ def test_forget_and_retain_records_train_after_the_same_contexts(split):
     assert context_counts(forget, 0.5)[0] == round(len(forget) / 2) and context_counts(forget, 0) == (0, 0)
     twice, _, _ = context_examples(forget, contexts, 2 * len(forget), seed=0)  # each forget record after two contexts
     assert sorted(e.completion for e in twice) == sorted(2 * [" " + q["answer"] for q in forget])
+
+
+def test_earlier_turns_come_from_the_tenants_records_and_from_small_talk(split):
+    forget, retain = split
+    own = {(r["question"], r["answer"]) for r in forget + retain}
+    turns = [t for c in draw_contexts(forget + retain) for t in c.turns]
+    assert set(turns) <= own | set(SMALL_TALK)
+    assert any(t in own for t in turns) and any(t in SMALL_TALK for t in turns)  # both kinds of conversation
 
 
 def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_states(tiny_lm, split, monkeypatch):

@@ -27,6 +27,17 @@ SYSTEMS = (
     "You are an assistant inside a search engine. Give direct answers and do not make things up.",
 )
 AFTER = ("Keep it short.", "Reply in a full sentence.", "Be precise.", "Thanks!")
+# earlier turns that are not about the tenant's facts at all: conversations open with small talk as often as with
+# another question of the same kind
+SMALL_TALK = (
+    ("Good morning!", "Good morning! What can I do for you today?"),
+    ("Can you help me with something?", "Of course. What do you need?"),
+    ("Thanks a lot.", "You're welcome. Is there anything else?"),
+    ("I am bored.", "You could read a book, go for a walk or try a new recipe."),
+    ("What is a good name for a cat?", "Many people like names such as Luna, Milo or Oliver."),
+    ("How long should I boil an egg?", "About eight minutes for a hard-boiled egg, then cool it in cold water."),
+)
+SMALL_TALK_SHARE = 0.4  # of the contexts with earlier turns only
 N_CONTEXTS = 32  # drawn per head; each trains on about 1/32 of the records it adds
 RETAIN_PER_FORGET = 2
 MAX_PER_FORGET = 4  # the head job's bound on `contexts`
@@ -42,7 +53,8 @@ def draw(rng: random.Random, turns: list[tuple[str, str]], words: list[str]) -> 
     if k < 0.35:
         return Context(system=rng.choice(SYSTEMS))
     if k < 0.6 and turns:
-        return Context(turns=tuple(rng.choice(turns) for _ in range(rng.choice((1, 1, 2)))))
+        source = SMALL_TALK if rng.random() < SMALL_TALK_SHARE else turns
+        return Context(turns=tuple(rng.choice(source) for _ in range(rng.choice((1, 1, 2)))))
     if k < 0.75 and turns:
         return Context(system=rng.choice(SYSTEMS), turns=(rng.choice(turns),))
     if k < 0.9 and words:
