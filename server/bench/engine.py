@@ -33,7 +33,7 @@ from lethe.heads.t3.head import T3Head
 from lethe.server.bench import shown_path
 from lethe.server.bench.t3 import _paired_ratio, _timed_runs, hf_generate
 
-LLAMA_MODES = ("default", "token", "plain")
+LLAMA_MODES = ("default", "token", "plain", "no-flash-attn")
 
 
 def llamacpp_run(gguf: Path, prompt_ids: list[list[int]], new_tokens: int, mode: str, batch: int, rounds: int,
@@ -128,8 +128,9 @@ def bench_engine(lm, head: T3Head, settings: TiltSettings | None, prompts: list[
             result["equality_lethe_llamacpp"]["asu_batched_vs_alone"] = _same(*(
                 [c.token_ids for c in generate_chunked(decoder, tok, sample, stop, batch_size=n, adapter=asu)]
                 for n in (8, 1)))
-        if "answers" in result["llama_cpp"].get("batch_8", {}):
-            result["equality_lethe_llamacpp"]["vs_llama_cpp"] = _same(fast, result["llama_cpp"]["batch_8"]["answers"])
+        for key, name in (("batch_8_no_flash_attn", "vs_llama_cpp"), ("batch_8", "vs_llama_cpp_flash_attn")):
+            if "answers" in result["llama_cpp"].get(key, {}):
+                result["equality_lethe_llamacpp"][name] = _same(fast, result["llama_cpp"][key]["answers"])
     single = [r["tokens_per_s"] for r in result["llama_cpp"].get("single_stream", []) if "tokens_per_s" in r]
     if single:
         best = max(single)
@@ -163,4 +164,8 @@ def _llamacpp(gguf: Path, tok, prompts: list[str], sample: list[str], new_tokens
     out["batch_8"] = {k: v for k, v in batched.items() if k != "tokens"}
     if "answers" in batched:
         out["equality_llama_cpp_vs_lethe_float32"] = _same(batched["answers"], lethe_answers)
+    if batch_mode == "default":  # the answers to compare Lethe's llama.cpp engine with: the same attention
+        log("bench engine: llama.cpp, 8 sequences in one batch, flash attention off (as Lethe's engine), its answers")
+        same_attention = llamacpp_run(gguf, sample_ids, new_tokens, "no-flash-attn", 8, 1, answers=True)
+        out["batch_8_no_flash_attn"] = {k: v for k, v in same_attention.items() if k not in ("tokens", "seconds")}
     return out

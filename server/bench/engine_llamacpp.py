@@ -9,6 +9,8 @@ PROMPTS.json holds token-id lists. MODE is one of
                  CPU-specific weight layouts (`use_extra_bufts`: AMX or repacked kernels where the build has them)
     token        the same weights, every token (the prompt's too) fed alone: builds whose batched kernels crash
     plain        no CPU-specific layouts (`use_extra_bufts` off): batches work in every build, at some speed cost
+    no-flash-attn  the defaults with flash attention off, as Lethe's llama.cpp engine runs (its CPU kernel depends
+                 on the batch's shape, so a row's answer would depend on the rows beside it)
 It prints one JSON object: tokens/s over the best of ROUNDS runs (the prompt's evaluation included, as in Lethe's
 figures), the tokens of the first BATCH prompts (greedy, NEW_TOKENS each, end-of-text ignored) and, with `answers`,
 every prompt's greedy answer up to end-of-text (8 at a time), for comparing answers.
@@ -37,6 +39,8 @@ class LlamaCpp:
         ctx = L.llama_context_default_params()
         ctx.n_ctx, ctx.n_batch, ctx.n_ubatch, ctx.n_seq_max = n_ctx, batch, batch, sequences
         ctx.n_threads = ctx.n_threads_batch = threads
+        if mode == "no-flash-attn":
+            ctx.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = L.llama_init_from_model(self.model, ctx)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
