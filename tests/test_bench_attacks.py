@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -52,3 +54,19 @@ def test_bench_attacks_refuses_a_gguf_file_without_the_llamacpp_engine(tmp_path,
 
     assert main(["bench", "attacks", "--gguf", str(tmp_path / "m.gguf"), "--port", str(_free_port())]) == 2
     assert "--gguf names the file the llama.cpp engine decodes: add --engine llamacpp" in capsys.readouterr().err
+
+
+def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path, capsys):
+    from lethe.clients.cli import main
+
+    with pytest.raises(SystemExit) as refused:  # argparse's own exit: before any server or model starts
+        main(["bench", "attacks", "--only", "plain,lang-xx", "--port", str(_free_port())])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown context lang-xx" in err and "known: plain, system-short" in err and "loglik-mc" in err
+    out = tmp_path / "attacks.json"
+    assert main(["bench", "attacks", "--quick", "--limit", "4", "--only", "preamble", "--port", str(_free_port()),
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["context"] for r in report["rows"]] == ["preamble"] and report["loglik_mc"] == []
+    assert "--only preamble" in report["command"]

@@ -112,6 +112,7 @@ class Context:
     note: str = ""
 
 
+MC = "loglik-mc"  # log-likelihood multiple choice, as `--only` names it
 CONTEXTS = (
     Context("plain"),
     Context("system-short", system=SHORT_SYSTEM),
@@ -150,6 +151,9 @@ class AttackConfig:
     facts: bool = True
     settings: dict = field(default_factory=dict)  # profile settings over the head's recommendation
     workers: int = 16  # requests in flight
+    # the contexts asked (names of CONTEXTS, plus "loglik-mc" for log-likelihood multiple choice); None: all of them.
+    # A run of a few is for developers: its bars cover only what it asked
+    only: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -471,7 +475,8 @@ class AttackBench:
         started = time.perf_counter()
         self.facts = self.facts_for_chat() if self.chat else self.facts_for_demo()
         head = self.train()
-        contexts = [c for c in CONTEXTS if self.chat or not c.language]
+        contexts = [c for c in CONTEXTS if (self.chat or not c.language)
+                    and (self.cfg.only is None or c.name in self.cfg.only)]
         vocab = EnglishWords()
         rows = [self.row(ctx, label, runs, vocab) for label, runs in self.decodings() for ctx in contexts]
         report = {
@@ -485,7 +490,8 @@ class AttackBench:
             "head": head, "contexts": [{"name": c.name, "note": c.note} for c in contexts],
             "skipped": {} if self.chat else {f"lang-{lang}": "the demo model's corpus is English-only"
                                              for lang in LANGUAGES},
-            "rows": rows, "loglik_mc": self.loglik_mc()}
+            "rows": rows,
+            "loglik_mc": self.loglik_mc() if self.cfg.only is None or MC in self.cfg.only else []}
         report["bars"] = bars(report)
         report["seconds"] = round(time.perf_counter() - started, 1)
         return report

@@ -39,8 +39,24 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--facts", action=argparse.BooleanOptionalAction, default=True,
                    help="records name their fact (`fact`), so the head also trains on the fact alone as the answer "
                         "(default on; --no-facts: question and answer only)")
+    p.add_argument("--only", type=_names, default=None, metavar="NAMES",
+                   help="ask in these contexts only, comma-separated (plain, lang-es, ...; loglik-mc for "
+                        "log-likelihood multiple choice); the bars then cover only these (default: every context)")
     add_server_bench_args(p, port=8767)
     p.set_defaults(func=cmd_bench_attacks)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """`--only`: known context names, comma-separated."""
+    from lethe.server.bench.attacks import CONTEXTS, MC
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    known = [c.name for c in CONTEXTS] + [MC]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown context {', '.join(unknown) or '(none given)'}; "
+                                         f"known: {', '.join(known)}")
+    return names
 
 
 def add_server_bench_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -65,6 +81,7 @@ def _command(args) -> str:
     words += ["--context-shift", str(args.context_shift)] * (args.context_shift is not None)
     words += ["--seed", str(args.seed)] * (args.seed is not None)
     words += ["--no-facts"] * (not args.facts)
+    words += ["--only", ",".join(args.only or ())] * (args.only is not None)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
 
@@ -81,7 +98,8 @@ def cmd_bench_attacks(args) -> int:
     from lethe.server.bench.attacks import AttackConfig, markdown, run
 
     cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
-                       facts=args.facts, contexts=args.contexts, context_shift=args.context_shift, seed=args.seed)
+                       facts=args.facts, contexts=args.contexts, context_shift=args.context_shift, seed=args.seed,
+                       only=args.only)
     return run_server_bench(args, _command(args), run, cfg, markdown)
 
 
