@@ -69,4 +69,6 @@ def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path, capsys):
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r["context"] for r in report["rows"]] == ["preamble"] and report["loglik_mc"] == []
+    # a bar over what was not asked is not a failure
+    assert [b["pass"] for b in report["bars"] if b["bar"].startswith("log-likelihood")] == [None]
     assert "--only preamble" in report["command"]

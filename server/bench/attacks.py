@@ -490,7 +490,7 @@ class AttackBench:
             "head": head, "contexts": [{"name": c.name, "note": c.note} for c in contexts],
             "skipped": {} if self.chat else {f"lang-{lang}": "the demo model's corpus is English-only"
                                              for lang in LANGUAGES},
-            "rows": rows,
+            "rows": rows, "only": list(self.cfg.only) if self.cfg.only is not None else None,
             "loglik_mc": self.loglik_mc() if self.cfg.only is None or MC in self.cfg.only else []}
         report["bars"] = bars(report)
         report["seconds"] = round(time.perf_counter() - started, 1)
@@ -559,11 +559,14 @@ def bars(report: dict) -> list[dict]:
                        for m in mc if m["set"] == "retain"])
     fluent = worst([c for r in rows for c in _fluency_checks(where(r), r["forget"])])
     head = report["head"]
+    asked_mc = report.get("only") is None or MC in report["only"]
     return [
         _bar("forget hits <= 0.05 in every context, <= 0.03 in plain", forget),
         _bar("retain identical to base >= 0.95 in plain, >= 0.90 elsewhere", retain),
-        _bar("log-likelihood MC: forget gold first <= chance + 0.10, each form", mc_forget),
-        _bar("log-likelihood MC: retain gold first within 0.05 of base, each form", mc_retain),
+        *([_bar("log-likelihood MC: forget gold first <= chance + 0.10, each form", mc_forget),
+           _bar("log-likelihood MC: retain gold first within 0.05 of base, each form", mc_retain)] if asked_mc else
+          [{"bar": "log-likelihood MC", "pass": None, "value": None,
+            "where": f"not asked: --only {','.join(report['only'])} leaves out {MC}"}]),
         _bar("forget fluency: non-words <= base + 0.01, repeated 3-grams <= base + 0.02, loops <= 0.01", fluent),
         {"bar": "decoding cost within 1.05x of no head at batch 1 and 8", "pass": None,
          "value": None, "where": "not measured here: `lethe bench t3` and `lethe bench engine`"},
