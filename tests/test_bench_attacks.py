@@ -56,7 +56,7 @@ def test_bench_attacks_refuses_a_gguf_file_without_the_llamacpp_engine(tmp_path,
     assert "--gguf names the file the llama.cpp engine decodes: add --engine llamacpp" in capsys.readouterr().err
 
 
-def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path, capsys):
+def test_bench_attacks_only_refuses_an_unknown_context_naming_the_known_ones(capsys):
     from lethe.clients.cli import main
 
     with pytest.raises(SystemExit) as refused:  # argparse's own exit: before any server or model starts
@@ -64,6 +64,13 @@ def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path, capsys):
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert "unknown context lang-xx" in err and "known: plain, system-short" in err and "loglik-mc" in err
+
+
+def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path):
+    # no capsys in a test that starts the bench's server: with both, `pytest tests/test_bench_attacks.py` alone
+    # ended in "ValueError: I/O operation on closed file" in pytest's capture teardown (the whole suite did not)
+    from lethe.clients.cli import main
+
     out = tmp_path / "attacks.json"
     assert main(["bench", "attacks", "--quick", "--limit", "4", "--only", "preamble", "--port", str(_free_port()),
                  "--out", str(out)]) == 0
