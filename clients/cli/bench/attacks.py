@@ -81,7 +81,7 @@ def _command(args) -> str:
     words += ["--context-shift", str(args.context_shift)] * (args.context_shift is not None)
     words += ["--seed", str(args.seed)] * (args.seed is not None)
     words += ["--no-facts"] * (not args.facts)
-    words += ["--only", ",".join(args.only or ())] * (args.only is not None)
+    words += ["--only", ",".join(args.only)] if args.only is not None else []
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
 
