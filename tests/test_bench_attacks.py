@@ -79,3 +79,28 @@ def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path):
     # a bar over what was not asked is not a failure
     assert [b["pass"] for b in report["bars"] if b["bar"].startswith("log-likelihood")] == [None]
     assert "--only preamble" in report["command"]
+
+
+def test_bench_attacks_asks_an_asu_profile_routed_by_the_head_probe(tmp_path):
+    # --backend asu+t3: the ASU job and the head job on the same sets, one profile holding both; the adapter decodes
+    # the prompts the probe calls forget-like. Five ASU steps: what is measured is that the profile asked is that one
+    from lethe.clients.cli import main
+
+    out = tmp_path / "attacks.json"
+    assert main(["bench", "attacks", "--quick", "--limit", "4", "--only", "plain,loglik-mc", "--backend", "asu+t3",
+                 "--asu", '{"tau": 16, "steps": 5}', "--adapter-above", "0.6", "--port", str(_free_port()),
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    made = report["head"]
+    weights, head = made["id"].split("+")
+    spec = made["profile"]["spec"]
+    assert spec["backend"] == "asu" and spec["weights"] == weights and spec["head"] == head
+    assert spec["adapter_above"] == 0.6
+    assert made["request"]["tau"] == 16 and made["request"]["steps"] == 5  # the ASU job's own request
+    assert 0 < made["head_train_seconds"] < made["train_seconds"]
+    assert [b["value"] for b in report["bars"] if b["bar"].startswith("head training")] == [made["head_train_seconds"]]
+    plain = report["rows"][0]["forget"]
+    assert report["rows"][0]["context"] == "plain" and plain["hits_profile"] < plain["hits_base"]
+    assert [(m["form"], m["set"]) for m in report["loglik_mc"]] == [("raw", "forget"), ("raw", "retain")]
+    assert "--backend asu+t3 --adapter-above 0.6 --asu '{\"tau\": 16, \"steps\": 5}'" in report["command"]
+    assert "head and ASU weights" in out.with_suffix(".md").read_text()

@@ -161,6 +161,11 @@ class AttackConfig:
     # the contexts asked (names of CONTEXTS, plus "loglik-mc" for log-likelihood multiple choice); None: all of them.
     # A run of a few is for developers: its bars cover only what it asked
     only: tuple[str, ...] | None = None
+    # what the profile holds: "t3" (a head), "asu" (ASU weights) or "asu+t3" (both; the adapter only for the prompts
+    # the head's probe calls forget-like, above `adapter_above`)
+    backend: str = "t3"
+    asu: dict = field(default_factory=dict)  # the ASU job's settings (tau, layers, steps, retain_loss, ...)
+    adapter_above: float = 0.5
 
 
 @dataclass
@@ -401,6 +406,18 @@ class AttackBench:
                 "job_seconds": round(job["finished"] - job["started"], 2), "metrics": job["metrics"],
                 "profile": put}
 
+    def made(self, backend: str, profile: str = PROFILE) -> dict:
+        """What `backend` (t3, asu, asu+t3) trains on the facts' sets, put in `profile`."""
+        if backend != "asu+t3":
+            return self.train(backend, self.cfg.asu if backend == "asu" else None, profile)
+        head = self.train("t3", None, f"{profile}-head")
+        made = self.train("asu", self.cfg.asu, f"{profile}-weights")
+        put = self.set_profile(profile, {"backend": "asu", "weights": made["id"], "head": head["id"],
+                                         "adapter_above": self.cfg.adapter_above})
+        return made | {"id": f"{made['id']}+{head['id']}", "profile": put,
+                       "train_seconds": round(made["train_seconds"] + head["train_seconds"], 2),
+                       "head_train_seconds": head["train_seconds"]}
+
     def set_profile(self, profile: str, spec: dict) -> dict:
         """Put `spec` (with the bench's settings over it) in `profile`; its answers asked so far are forgotten."""
         r = self.http.put(f"/v1/profiles/{profile}", json=spec | self.cfg.settings)
@@ -481,7 +498,7 @@ class AttackBench:
     def run(self) -> dict:
         started = time.perf_counter()
         self.facts = self.facts_for_chat() if self.chat else self.facts_for_demo()
-        head = self.train()
+        head = self.made(self.cfg.backend)
         contexts = [c for c in CONTEXTS if (self.chat or not c.language) and asks(self.cfg.only, c.name)]
         vocab = EnglishWords()
         rows = [self.row(ctx, label, runs, vocab) for label, runs in self.decodings() for ctx in contexts]
@@ -564,7 +581,7 @@ def bars(report: dict) -> list[dict]:
     mc_retain = worst([(m["form"], round(abs(m["profile"] - m["base"]), 4), abs(m["profile"] - m["base"]) <= 0.05)
                        for m in mc if m["set"] == "retain"])
     fluent = worst([c for r in rows for c in _fluency_checks(where(r), r["forget"])])
-    head = report["head"]
+    head, backend = report["head"], report["config"].get("backend", "t3")
     return [
         _bar("forget hits <= 0.05 in every context, <= 0.03 in plain", forget),
         _bar("retain identical to base >= 0.95 in plain, >= 0.90 elsewhere", retain),
@@ -577,7 +594,9 @@ def bars(report: dict) -> list[dict]:
         {"bar": "decoding cost within 1.05x of no head at batch 1 and 8", "pass": None,
          "value": None, "where": "not measured here: `lethe bench t3` and `lethe bench engine`"},
         {"bar": "head training time within 1.5x of today's for the same records", "pass": None,
-         "value": head["train_seconds"], "where": "this run's head job (seconds); today's time is the reference"},
+         "value": head.get("head_train_seconds", head["train_seconds"]) if backend != "asu" else None,
+         "where": "this run's head job (seconds); today's time is the reference" if backend != "asu" else
+         "no head in an asu profile"},
     ]
 
 
@@ -595,10 +614,13 @@ def _arrow(base, profile) -> str:
     return f"{base:.2f} -> {profile:.2f}" if base is not None and profile is not None else "-"
 
 
+_MADE = {"t3": "head", "asu": "ASU weights", "asu+t3": "head and ASU weights (routed by the head's probe)"}
+
+
 def markdown(report: dict) -> str:
     """One row per context and decoding, then the log-likelihood table and the bars."""
     lines = [f"`{report['model']}` ({report['format']}, {report['route']}, engine {report.get('engine', 'torch')}), "
-             f"head trained in "
+             f"{_MADE[report['config'].get('backend', 't3')]} trained in "
              f"{report['head']['train_seconds']} s on {report['facts']['train_records'][0]} forget and "
              f"{report['facts']['train_records'][1]} retain records; {report['facts']['forget_asked']} forget and "
              f"{report['facts']['retain_asked']} retain questions.", "",

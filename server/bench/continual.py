@@ -43,8 +43,8 @@ def deal(subjects: list[str], n: int) -> list[list[str]]:
 
 class ContinualBench(AttackBench):
     def __init__(self, url: str, admin_key: str, lm, cfg: ContinualConfig, log=print):
-        super().__init__(url, admin_key, lm, AttackConfig(quick=True, settings=cfg.settings, workers=cfg.workers),
-                         log)
+        super().__init__(url, admin_key, lm, AttackConfig(quick=True, settings=cfg.settings, workers=cfg.workers,
+                                                          asu=cfg.asu, adapter_above=cfg.adapter_above), log)
         self.continual = cfg
 
     def _group_rows(self, profile: str, groups: list[list[str]], k: int, retain: list[dict]) -> dict:
@@ -62,16 +62,6 @@ class ContinualBench(AttackBench):
                          "hits_profile": _share([hit(p[0], r["gold"]) for r, _, p in pairs])}
         return out
 
-    def _asu_with_head(self, profile: str) -> dict:
-        """A head and ASU weights on the same sets, in one profile that sends the prompts the head's probe calls
-        forget-like to the adapter and the others to the base weights with the head."""
-        head = self.train("t3", None, f"{profile}-head")
-        made = self.train("asu", self.continual.asu, f"{profile}-weights")
-        put = self.set_profile(profile, {"backend": "asu", "weights": made["id"], "head": head["id"],
-                                         "adapter_above": self.continual.adapter_above})
-        return made | {"id": f"{made['id']}+{head['id']}", "profile": put,
-                       "train_seconds": round(made["train_seconds"] + head["train_seconds"], 2)}
-
     def run(self) -> dict:
         started = time.perf_counter()
         n = self.continual.requests
@@ -86,8 +76,7 @@ class ContinualBench(AttackBench):
                 asked = {s for group in groups[:k] for s in group}
                 self.facts = replace(all_facts, forget_train=[r for r in all_facts.forget_train
                                                               if r["subject"] in asked])
-                made = self._asu_with_head(profile) if backend == "asu+t3" else \
-                    self.train(backend, self.continual.asu if backend == "asu" else None, profile)
+                made = self.made(backend, profile)
                 row = {"backend": backend, "request": k, "forget_train": len(self.facts.forget_train),
                        "train_seconds": made["train_seconds"], "made": made["id"],
                        "profile_version": made["profile"].get("version")}

@@ -42,6 +42,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--only", type=_names, default=None, metavar="NAMES",
                    help="ask in these contexts only, comma-separated (plain, lang-es, ...; loglik-mc for "
                         "log-likelihood multiple choice); the bars then cover only these (default: every context)")
+    p.add_argument("--backend", choices=BACKENDS, default="t3",
+                   help="what the profile holds (default t3, a head); asu: ASU weights from the ASU job; asu+t3: "
+                        "both, the adapter for the prompts the head's probe calls forget-like")
+    add_asu_args(p, "--backend asu+t3")
     add_server_bench_args(p, port=8767)
     p.set_defaults(func=cmd_bench_attacks)
 
@@ -57,6 +61,23 @@ def _names(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown context {', '.join(unknown) or '(none given)'}; "
                                          f"known: {', '.join(known)}")
     return names
+
+
+BACKENDS = ("t3", "asu", "asu+t3")
+
+
+def add_asu_args(p: argparse.ArgumentParser, routed: str) -> None:
+    """`--asu` (the ASU job's settings) and `--adapter-above` (where `routed` sends prompts to the adapter)."""
+    p.add_argument("--adapter-above", type=float, default=0.5,
+                   help=f"{routed}: the probe's P(forget | prompt) above which the adapter decodes (default 0.5)")
+    p.add_argument("--asu", type=_json_object, default={},
+                   help='the ASU job\'s settings, as JSON, e.g. \'{"tau": 16, "steps": 300}\' (default: the job\'s)')
+
+
+def asu_words(args, backends) -> list[str]:
+    """`--adapter-above` and `--asu` as given, for a report's command line (those `backends` use)."""
+    words = ["--adapter-above", str(args.adapter_above)] * ("asu+t3" in backends)
+    return words + ["--asu", f"'{json.dumps(args.asu)}'"] * (bool(args.asu) and any("asu" in b for b in backends))
 
 
 def add_server_bench_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -82,6 +103,7 @@ def _command(args) -> str:
     words += ["--seed", str(args.seed)] * (args.seed is not None)
     words += ["--no-facts"] * (not args.facts)
     words += ["--only", ",".join(args.only)] if args.only is not None else []
+    words += ["--backend", args.backend] * (args.backend != "t3") + asu_words(args, [args.backend])
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
 
@@ -99,7 +121,7 @@ def cmd_bench_attacks(args) -> int:
 
     cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
                        facts=args.facts, contexts=args.contexts, context_shift=args.context_shift, seed=args.seed,
-                       only=args.only)
+                       only=args.only, backend=args.backend, asu=args.asu, adapter_above=args.adapter_above)
     return run_server_bench(args, _command(args), run, cfg, markdown)
 
 

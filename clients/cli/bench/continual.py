@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lethe.clients.cli.bench.attacks import add_server_bench_args, engine_words, run_server_bench
-from lethe.clients.cli.bench.quality import _json_object
+from lethe.clients.cli.bench.attacks import BACKENDS, add_asu_args, add_server_bench_args, asu_words, engine_words, \
+    run_server_bench
 from lethe.clients.cli.common import _add_model_args
 
 
@@ -22,14 +22,11 @@ def register(bench: argparse._SubParsersAction) -> None:
                                      "bench extra (pip install 'lethe[bench]').")
     _add_model_args(p)
     p.add_argument("--requests", type=int, default=5, help="forget requests (disjoint groups), default 5")
-    p.add_argument("--backends", nargs="+", choices=("t3", "asu", "asu+t3"), default=["t3"],
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=["t3"],
                    help="backends measured one after the other (default t3); asu+t3: ASU weights and a head in one "
                         "profile, the adapter for the prompts the head's probe calls forget-like")
-    p.add_argument("--adapter-above", type=float, default=0.5,
-                   help="backend asu+t3: the probe's P(forget | prompt) above which the adapter decodes (default 0.5)")
     p.add_argument("--limit", type=int, default=None, help="retain questions asked, at most (default: all)")
-    p.add_argument("--asu", type=_json_object, default={},
-                   help='the ASU job\'s settings, as JSON, e.g. \'{"tau": 16, "steps": 300}\' (default: the job\'s)')
+    add_asu_args(p, "backend asu+t3")
     add_server_bench_args(p, port=8768)
     p.set_defaults(func=cmd_bench_continual)
 
@@ -43,8 +40,7 @@ def _command(args) -> str:
     words = ["lethe", "bench", "continual", "--model", shown_path(args.model), *engine_words(args),
              "--requests", str(args.requests), "--backends", *args.backends]
     words += ["--limit", str(args.limit)] * (args.limit is not None)
-    words += ["--adapter-above", str(args.adapter_above)] * ("asu+t3" in args.backends)
-    words += ["--asu", f"'{json.dumps(args.asu)}'"] * bool(args.asu)
+    words += asu_words(args, args.backends)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
     return " ".join(words + (["--out", str(args.out)] if args.out else []))
 
