@@ -73,6 +73,8 @@ class ProfileSpec(Strict):
     T: float | None = Field(None, ge=MIN_T, le=100, allow_inf_nan=False, description="Tempering temperature.")
     lam: float | None = Field(None, ge=0, le=1000, allow_inf_nan=False, description="Tilt strength.")
     gate: StrictBool | None = None
+    sticky_gate: StrictBool | None = Field(None, description="Once the gate opens in an answer, it stays at least "
+                                                             "as open for the rest of that answer.")
     candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
     min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,

@@ -151,8 +151,11 @@ def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
     a, head = tenant_a["client"], tenant_a["head"]
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["repeat_guard"] == 3  # the default
     assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["repeat_guard"] == 0
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["sticky_gate"] is False  # the default
+    assert a.put("/v1/profiles/sticky", json={"head": head, "sticky_gate": True}).json()["spec"]["sticky_gate"] is True
     for bad, field in (({"repeat_guard": 1}, "repeat_guard"), ({"repeat_guard": 17}, "repeat_guard"),
-                       ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above")):
+                       ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above"),
+                       ({"sticky_gate": 1}, "sticky_gate")):
         r = a.put("/v1/profiles/fluent-bad", json={"head": head, **bad})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == field, (bad, r.json())
     assert a.get("/v1/profiles/fluent-bad").status_code == 404

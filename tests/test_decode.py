@@ -113,6 +113,45 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, ti
         assert done[i] == alone.token_ids, i
 
 
+def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(tiny_lm, tiny_records):
+    # each row's floor (the highest gate its answer has had) must stay with that row when the batch merges new
+    # rows in and drops finished ones: every row then decodes as it would alone
+    from lethe.heads.decoding.decode import Batch
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    torch.manual_seed(7)
+    head = T3Head(model.config.hidden_size, model.config.vocab_size, 4)
+    torch.nn.init.normal_(head.up.weight, std=2.0)
+    torch.nn.init.normal_(head.probe.weight, std=0.4)  # gates that open and close along an answer
+    head.eval().requires_grad_(False)
+    prompts = _prompts(tiny_records, 6)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 30, 12, 25, 8, 20)]
+    sticky, plain = TiltSettings(sticky_gate=True, repeat_guard=0), TiltSettings(repeat_guard=0)
+    rows = [None, (head, sticky), (head, plain), (head, sticky), None, (head, sticky)]
+    batch = Batch(model, tok, prompts[:3], params[:3], HeadGuide(rows[:3]))
+    for _ in range(4):
+        batch.step()
+    batch.merge(Batch(model, tok, prompts[3:], params[3:], HeadGuide(rows[3:])))
+    done, order = {}, list(range(6))
+    while not batch.done:
+        batch.step()
+        for i, r in zip(order, batch.rows):
+            if r.finish_reason:
+                done[i] = list(r.token_ids)
+        order = [order[k] for k in batch.compact()]
+    assert sorted(done) == list(range(6))
+    differs = 0
+    for i in range(6):
+        alone = generate(model, tok, [prompts[i]], params[i], HeadGuide([rows[i]]))[0]
+        assert done[i] == alone.token_ids, i
+        if rows[i] is not None and rows[i][1].sticky_gate:
+            differs += alone.token_ids != generate(model, tok, [prompts[i]], params[i], HeadGuide([(head, plain)]))[
+                0].token_ids
+    assert differs > 0  # the floors changed some answer: carrying them wrongly would show
+
+
 def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
     from lethe.server.engine import Engine, Pending
 

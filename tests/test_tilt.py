@@ -201,3 +201,42 @@ def test_a_numba_cache_written_under_another_module_name_is_recompiled_not_fatal
                          env=env, capture_output=True, text=True, timeout=300)
     assert now.returncode == 0 and now.stdout.strip() == "ok", now.stderr[-2000:]
     assert "compiling it again" in now.stderr
+
+
+@pytest.mark.parametrize("path", ["fused", "candidates", "dense"])  # the CPU kernel, tensor operations, no candidates
+def test_a_sticky_gate_stays_open_for_the_rest_of_the_answer_once_it_opened(path):
+    # a row whose context is forget-like at one step and not at the next: today's gate closes again (base logits
+    # back), a sticky gate stays at the highest P(forget) its answer had, so the row is still tilted; a row
+    # without the setting, in the same batch, is not affected
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    torch.manual_seed(5)
+    head = T3Head(8, 40, 3).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.up.weight, std=3.0)
+    direction = torch.randn(8)
+    with torch.no_grad():
+        head.probe.weight.copy_(direction[None, :])  # retain logit: P(forget) = sigmoid(-direction . pooled)
+    forget_like, retain_like = -direction * 2, direction * 2
+    assert head.forget_probability(forget_like[None])[0] > 0.9 > 0.1 > head.forget_probability(retain_like[None])[0]
+    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}}[path]
+    sticky, plain = TiltSettings(sticky_gate=True, **extra), TiltSettings(**extra)
+    guide = HeadGuide([(head, sticky), (head, plain)], fused=path == "fused")
+    logits = torch.randn(2, 40) * 3
+    with torch.inference_mode():
+        first = guide(logits, torch.stack([forget_like, forget_like])).clone()
+        assert not torch.equal(first[0], logits[0]) and not torch.equal(first[1], logits[1])  # both tilted
+        then = guide(logits, torch.stack([retain_like, retain_like])).clone()
+    torch.testing.assert_close(then[1], logits[1])  # the plain gate closed: base logits untouched
+    assert not torch.equal(then[0], logits[0]) and guide.floor[0] > 0.9 and guide.floor[1] == 0
+    with torch.inference_mode():  # the sticky row is tilted as at the gate it had when it opened
+        opened = HeadGuide([(head, TiltSettings(gate=False, **extra))], fused=False)(logits[:1], retain_like[None])
+    assert torch.equal(then[0].argmax(), opened[0].argmax())
+
+
+def test_sticky_gate_is_a_boolean_setting():
+    from lethe.heads.t3.guide import TiltSettings
+
+    assert TiltSettings.from_dict({"sticky_gate": True}).sticky_gate and not TiltSettings().sticky_gate
+    with pytest.raises(ValueError, match="sticky_gate: must be true or false"):
+        TiltSettings.from_dict({"sticky_gate": 1})

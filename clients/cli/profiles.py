@@ -20,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--T", type=float)
     q.add_argument("--lam", type=float)
     q.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None)
+    q.add_argument("--sticky-gate", action=argparse.BooleanOptionalAction, default=None,
+                   help="once the gate opens in an answer, keep it at least as open for the rest of the answer")
     q.add_argument("--candidates", type=int)
     q.add_argument("--cap", type=float)
     q.add_argument("--min-p", type=float)

@@ -63,13 +63,16 @@ class TiltKernel:
         self._out: torch.Tensor | None = None
         self._out_np: np.ndarray | None = None
         self.active = np.ones(len(candidates), np.bool_)  # after a call: which rows the gate let in
+        self.gate = np.ones(len(candidates), np.float32)  # after a call: each row's gate (1 where it is off)
+        self._no_floor = np.zeros(len(candidates), np.float32)
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
+        """`floor` (B,): a gate no row's may fall below (sticky gates; None: 0)."""
         if self._out is None or self._out.shape != logits.shape:
             self._out = torch.empty(logits.shape, dtype=torch.float32)
             self._out_np = self._out.numpy()
-        _call(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings, self._out_np,
-              self.active)
+        _call(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
+              self._no_floor if floor is None else _array(floor), self._out_np, self.active, self.gate)
         return self._out
 
 
@@ -83,8 +86,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 6), f32(0, 1),
-          np.ones(0, np.bool_))
+    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 6), f32(0), f32(0, 1),
+          np.ones(0, np.bool_), f32(0))
 
 
 _compiled = None
@@ -114,7 +117,8 @@ def _call(*args) -> None:
         _kernel()(*args)
 
 
-def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out, active_out):  # pragma: no cover
+def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate_floor, out, active_out,
+               gate_out):  # pragma: no cover
     B, V = logits.shape
     R, d = down.shape
     r = R - 1 if probe else R
@@ -134,8 +138,11 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, out,
         g = 1.0
         if probe and settings[b, 3] > 0:
             g = 1.0 / (1.0 + math.exp(-h[r]))  # P(forget | context)
+            if gate_floor[b] > g:  # a sticky gate's floor: the highest its answer had
+                g = float(gate_floor[b])
         active = g > 0.5
         active_out[b] = active
+        gate_out[b] = g
         if not active:  # the gate keeps this row out: its base logits, untouched
             for v in range(V):
                 out[b, v] = logits[b, v]

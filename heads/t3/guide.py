@@ -30,6 +30,9 @@ class TiltSettings:
     T: float = 1.0
     lam: float = 1.0
     gate: bool = True  # temper and tilt only as far as the context is forget-like
+    # the gate, once open in an answer, stays at least as open for the rest of it (the highest P(forget) of the
+    # answer so far, not the current one): a row that turns forget-like partway does not close again before the fact
+    sticky_gate: bool = False
     candidates: int = 20  # tilt among the base model's k most likely tokens; 0 = all tokens
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
@@ -63,8 +66,9 @@ class TiltSettings:
                 raise ValueError(f"{name}: must be a number, got {value!r}")
         if isinstance(merged["candidates"], bool) or not isinstance(merged["candidates"], int):
             raise ValueError(f"candidates: must be an integer, got {merged['candidates']!r}")
-        if not isinstance(merged["gate"], bool):
-            raise ValueError(f"gate: must be true or false, got {merged['gate']!r}")
+        for name in ("gate", "sticky_gate"):
+            if not isinstance(merged[name], bool):
+                raise ValueError(f"{name}: must be true or false, got {merged[name]!r}")
         out = TiltSettings(**merged)
         if not (MIN_T <= out.T <= 100):
             raise ValueError(f"T: must be in [{MIN_T}, 100], got {out.T}")
@@ -124,12 +128,17 @@ class HeadGuide:
     LETHE_FUSED_TILT=0. False keeps the tensor operations (for comparison, and on other devices anyway).
     """
 
-    def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None], fused: bool | None = None):
+    def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None], fused: bool | None = None,
+                 floor: torch.Tensor | None = None):
+        """`floor`: per row, the highest gate its answer has had so far (rows with `sticky_gate`; 0 for the others):
+        what a batch hands on when it rebuilds its guide for rows that joined or left."""
         self.rows = rows
         self.fused = fused_kernel.enabled() if fused is None else fused
         self.same: tuple[T3Head, TiltSettings] | None = None
         self._groups: list[tuple] | None = None
         self._size = len(rows)
+        self.floor = floor
+        self._sticky: torch.Tensor | None = None  # (B,) which rows keep their gate open; None: no row
 
     @classmethod
     def uniform(cls, head: T3Head, settings: TiltSettings, fused: bool | None = None) -> "HeadGuide":
@@ -140,6 +149,12 @@ class HeadGuide:
 
     def _build(self, batch: int, device) -> list["_Group"]:
         rows = [self.same] * batch if self.same is not None else self.rows
+        sticky = [row is not None and row[1].sticky_gate and row[1].gate for row in rows]
+        self._sticky = torch.tensor(sticky, device=device) if any(sticky) else None
+        if self._sticky is None:
+            self.floor = None
+        elif self.floor is None or len(self.floor) != batch:
+            self.floor = torch.zeros(batch, device=device)
         by_head: dict[int, tuple[T3Head, list[int]]] = {}
         for i, row in enumerate(rows):
             if row is not None:
@@ -153,13 +168,20 @@ class HeadGuide:
             self._groups, self._size = self._build(logits.size(0), logits.device), logits.size(0)
         if not self._groups:
             return logits
-        out = None
+        out, floor = None, self.floor
         for group in self._groups:
             if group.rows is None:
-                return group(logits, pooled)
+                out = group(logits, pooled, floor)
+                break
             if out is None:
                 out = logits.float().clone()
-            out[group.rows] = group(logits[group.rows], pooled[group.rows])
+            out[group.rows] = group(logits[group.rows], pooled[group.rows],
+                                    None if floor is None else floor[group.rows])
+        if floor is not None:  # sticky rows start their next step from the gate they had at this one
+            gates = torch.zeros_like(floor)
+            for group in self._groups:
+                gates[slice(None) if group.rows is None else group.rows] = group.last_gate()
+            self.floor = torch.where(self._sticky, gates, 0.0)
         return out
 
     def row(self, i: int) -> tuple[T3Head, TiltSettings] | None:
@@ -214,6 +236,7 @@ class _Group:
     repeat_guard: list[int] | None  # per row, the repeat guard's n (None: off for every row)
     fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
+    _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
@@ -251,18 +274,21 @@ class _Group:
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, min_p, gated, any_gated, None,
                    guard, kernel)
 
-    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
         """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates (the base
-        logits on rows the gate keeps out)."""
+        logits on rows the gate keeps out). `floor` (B,): a gate no row's may fall below (sticky gates)."""
         if self.dense is not None:
-            return self._dense(logits, pooled)
+            return self._dense(logits, pooled, floor)
         if self.fused is not None:
-            return self.fused(logits, pooled)
+            return self.fused(logits, pooled, floor)
         values, ids = candidates_of(logits, self.k, self.keep)
         forget_p, z = self.head.decode_terms(pooled, ids)
         gate = forget_p if self.any_gated else None
+        if gate is not None and floor is not None:
+            gate = torch.maximum(gate, floor[:, None])
         if gate is not None and self.gated is not None:
             gate = torch.where(self.gated, gate, 1.0)
+        self._gate = None if gate is None else gate[:, 0]
         scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
         if gate is None:
@@ -271,11 +297,21 @@ class _Group:
         self._active = gate[:, 0] > 0.5
         return torch.where(self._active[:, None], out, logits.float())
 
-    def _dense(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
         T, lam, k, cap, gate_on, min_p = self.dense
-        gate = None if gate_on is None else torch.where(gate_on, self.head.forget_probability(pooled), 1.0)
+        forget_p = self.head.forget_probability(pooled)
+        if floor is not None:
+            forget_p = torch.maximum(forget_p, floor)
+        gate = None if gate_on is None else torch.where(gate_on, forget_p, 1.0)
         self._active = None if gate is None else gate > 0.5
+        self._gate = gate
         return tilt(logits, self.head(pooled), T, lam, gate, k, cap, min_p)
+
+    def last_gate(self) -> torch.Tensor | float:
+        """Each row's gate at the last call (1 where there is none)."""
+        if self.fused is not None:
+            return torch.from_numpy(self.fused.gate)
+        return 1.0 if self._gate is None else self._gate
 
     def last_active(self) -> list[bool]:
         """Which of this group's rows the gate let in at the last call."""
