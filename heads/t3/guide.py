@@ -178,9 +178,12 @@ class HeadGuide:
             out[group.rows] = group(logits[group.rows], pooled[group.rows],
                                     None if floor is None else floor[group.rows])
         if floor is not None:  # sticky rows start their next step from the gate they had at this one
-            gates = torch.zeros_like(floor)
-            for group in self._groups:
-                gates[slice(None) if group.rows is None else group.rows] = group.last_gate()
+            if self._groups[0].rows is None:  # one group: every row
+                gates = self._groups[0].last_gate()
+            else:
+                gates = torch.zeros_like(floor)
+                for group in self._groups:
+                    gates[group.rows] = group.last_gate()
             self.floor = torch.where(self._sticky, gates, 0.0)
         return out
 
@@ -299,10 +302,10 @@ class _Group:
 
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
         T, lam, k, cap, gate_on, min_p = self.dense
-        forget_p = self.head.forget_probability(pooled)
-        if floor is not None:
-            forget_p = torch.maximum(forget_p, floor)
-        gate = None if gate_on is None else torch.where(gate_on, forget_p, 1.0)
+        gate = None
+        if gate_on is not None:
+            forget_p = self.head.forget_probability(pooled)
+            gate = torch.where(gate_on, forget_p if floor is None else torch.maximum(forget_p, floor), 1.0)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
         return tilt(logits, self.head(pooled), T, lam, gate, k, cap, min_p)
