@@ -151,8 +151,9 @@ def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
     a, head = tenant_a["client"], tenant_a["head"]
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["repeat_guard"] == 3  # the default
     assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["repeat_guard"] == 0
-    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["sticky_gate"] is False  # the default
-    assert a.put("/v1/profiles/sticky", json={"head": head, "sticky_gate": True}).json()["spec"]["sticky_gate"] is True
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["sticky_gate"] is True  # the default
+    assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["sticky_gate"] is False
+    assert a.put("/v1/profiles/unstuck", json={"head": head, "sticky_gate": False}).json()["spec"]["sticky_gate"] is False
     for bad, field in (({"repeat_guard": 1}, "repeat_guard"), ({"repeat_guard": 17}, "repeat_guard"),
                        ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above"),
                        ({"sticky_gate": 1}, "sticky_gate")):

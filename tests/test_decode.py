@@ -128,7 +128,7 @@ def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(t
     head.eval().requires_grad_(False)
     prompts = _prompts(tiny_records, 6)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 30, 12, 25, 8, 20)]
-    sticky, plain = TiltSettings(sticky_gate=True, repeat_guard=0), TiltSettings(repeat_guard=0)
+    sticky, plain = TiltSettings(sticky_gate=True, repeat_guard=0), TiltSettings(sticky_gate=False, repeat_guard=0)
     rows = [None, (head, sticky), (head, plain), (head, sticky), None, (head, sticky)]
     batch = Batch(model, tok, prompts[:3], params[:3], HeadGuide(rows[:3]))
     for _ in range(4):

@@ -220,7 +220,7 @@ def test_a_sticky_gate_stays_open_for_the_rest_of_the_answer_once_it_opened(path
     forget_like, retain_like = -direction * 2, direction * 2
     assert head.forget_probability(forget_like[None])[0] > 0.9 > 0.1 > head.forget_probability(retain_like[None])[0]
     extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}}[path]
-    sticky, plain = TiltSettings(sticky_gate=True, **extra), TiltSettings(**extra)
+    sticky, plain = TiltSettings(sticky_gate=True, **extra), TiltSettings(sticky_gate=False, **extra)
     guide = HeadGuide([(head, sticky), (head, plain)], fused=path == "fused")
     logits = torch.randn(2, 40) * 3
     with torch.inference_mode():
@@ -237,6 +237,6 @@ def test_a_sticky_gate_stays_open_for_the_rest_of_the_answer_once_it_opened(path
 def test_sticky_gate_is_a_boolean_setting():
     from lethe.heads.t3.guide import TiltSettings
 
-    assert TiltSettings.from_dict({"sticky_gate": True}).sticky_gate and not TiltSettings().sticky_gate
+    assert TiltSettings().sticky_gate and not TiltSettings.from_dict({"sticky_gate": False}).sticky_gate
     with pytest.raises(ValueError, match="sticky_gate: must be true or false"):
         TiltSettings.from_dict({"sticky_gate": 1})

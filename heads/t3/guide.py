@@ -32,7 +32,7 @@ class TiltSettings:
     gate: bool = True  # temper and tilt only as far as the context is forget-like
     # the gate, once open in an answer, stays at least as open for the rest of it (the highest P(forget) of the
     # answer so far, not the current one): a row that turns forget-like partway does not close again before the fact
-    sticky_gate: bool = False
+    sticky_gate: bool = True
     candidates: int = 20  # tilt among the base model's k most likely tokens; 0 = all tokens
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
@@ -104,7 +104,8 @@ class TiltSettings:
 
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
-    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, candidates=0, cap=None, min_p=0.0, repeat_guard=0, abstain=None),
+    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, sticky_gate=False, candidates=0, cap=None, min_p=0.0,
+                          repeat_guard=0, abstain=None),
     "default": TiltSettings(),
 }
 
