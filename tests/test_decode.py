@@ -83,8 +83,27 @@ def test_logits_to_probs_matches_an_independent_top_k_top_p():
         torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
 
 
-def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, tiny_records):
+def _join_and_drain(model, tok, prompts, params, rows, first: int) -> dict[int, list[int]]:
+    """Decode the `first` prompts four steps, merge the others into that batch, then step it to the end, dropping
+    rows as they finish (as the engine does): each prompt's tokens, by its index."""
     from lethe.heads.decoding.decode import Batch
+    from lethe.heads.t3.guide import HeadGuide
+
+    batch = Batch(model, tok, prompts[:first], params[:first], HeadGuide(rows[:first]))
+    for _ in range(4):
+        batch.step()
+    batch.merge(Batch(model, tok, prompts[first:], params[first:], HeadGuide(rows[first:])))
+    done, order = {}, list(range(len(prompts)))
+    while not batch.done:
+        batch.step()
+        for i, r in zip(order, batch.rows):
+            if r.finish_reason:
+                done[i] = list(r.token_ids)
+        order = [order[k] for k in batch.compact()]
+    return done
+
+
+def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, tiny_records):
     from lethe.heads.t3.guide import HeadGuide, TiltSettings
     from lethe.heads.t3.head import T3Head
 
@@ -95,18 +114,7 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, ti
     prompts = _prompts(tiny_records, 5)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (3, 30, 12, 25, 8)]
     rows = [None, (head, TiltSettings()), None, (head, TiltSettings(T=2.0, cap=None)), None]
-    batch = Batch(model, tok, prompts[:2], params[:2], HeadGuide(rows[:2]))
-    for _ in range(4):
-        batch.step()
-    batch.merge(Batch(model, tok, prompts[2:], params[2:], HeadGuide(rows[2:])))
-    done = {}
-    order = list(range(5))
-    while not batch.done:
-        batch.step()
-        for i, r in zip(order, batch.rows):
-            if r.finish_reason:
-                done[i] = list(r.token_ids)
-        order = [order[k] for k in batch.compact()]
+    done = _join_and_drain(model, tok, prompts, params, rows, first=2)
     assert sorted(done) == [0, 1, 2, 3, 4]
     for i in range(5):
         alone = generate(model, tok, [prompts[i]], params[i], HeadGuide([rows[i]]))[0]
@@ -116,7 +124,6 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, ti
 def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(tiny_lm, tiny_records):
     # each row's floor (the highest gate its answer has had) must stay with that row when the batch merges new
     # rows in and drops finished ones: every row then decodes as it would alone
-    from lethe.heads.decoding.decode import Batch
     from lethe.heads.t3.guide import HeadGuide, TiltSettings
     from lethe.heads.t3.head import T3Head
 
@@ -130,17 +137,7 @@ def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(t
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 30, 12, 25, 8, 20)]
     sticky, plain = TiltSettings(sticky_gate=True, repeat_guard=0), TiltSettings(sticky_gate=False, repeat_guard=0)
     rows = [None, (head, sticky), (head, plain), (head, sticky), None, (head, sticky)]
-    batch = Batch(model, tok, prompts[:3], params[:3], HeadGuide(rows[:3]))
-    for _ in range(4):
-        batch.step()
-    batch.merge(Batch(model, tok, prompts[3:], params[3:], HeadGuide(rows[3:])))
-    done, order = {}, list(range(6))
-    while not batch.done:
-        batch.step()
-        for i, r in zip(order, batch.rows):
-            if r.finish_reason:
-                done[i] = list(r.token_ids)
-        order = [order[k] for k in batch.compact()]
+    done = _join_and_drain(model, tok, prompts, params, rows, first=3)
     assert sorted(done) == list(range(6))
     differs = 0
     for i in range(6):
