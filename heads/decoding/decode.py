@@ -383,15 +383,15 @@ class Batch:
                 raise  # not per-row: nothing to isolate
             from lethe.heads.t3.guide import HeadGuide
 
-            rows, fused, floor = list(rows), getattr(self.guide, "fused", None), getattr(self.guide, "floor", None)
+            rows = list(rows)
             for i, row in enumerate(rows):
                 if row is not None:
                     try:
-                        HeadGuide([row], fused)(logits[i:i + 1], pooled[i:i + 1])
+                        HeadGuide([row], self.guide.fused)(logits[i:i + 1], pooled[i:i + 1])
                     except Exception as e:
                         self.fail(i, e)
                         rows[i] = None
-            self.guide = HeadGuide(rows, fused, floor)
+            self.guide = self.guide.replaced(rows)
             scores = self.guide(logits, pooled)
         return self._force_replies(self._guard_repeats(scores), pooled)
 
@@ -474,11 +474,8 @@ class Batch:
         if self.guide is not None or other.guide is not None:
             from lethe.heads.t3.guide import HeadGuide
 
-            mine = self.guide.rows if self.guide is not None else [None] * (len(self.rows) - len(other.rows))
-            theirs = other.guide.rows if other.guide is not None else [None] * len(other.rows)
-            fused = getattr(self.guide, "fused", None) if self.guide is not None else getattr(other.guide, "fused", None)
-            self.guide = HeadGuide(list(mine) + list(theirs), fused, _floors(self.guide, len(mine), other.guide,
-                                                                             len(theirs), self.temperature.device))
+            self.guide = HeadGuide.joined(self.guide, len(self.rows) - len(other.rows), other.guide, len(other.rows),
+                                          self.temperature.device)
 
     def compact(self) -> list[int]:
         """Drop finished rows (and padding no row needs any more); returns the indices of the rows kept."""
@@ -494,11 +491,7 @@ class Batch:
         if self.adapters is not None:
             self.adapters = [self.adapters[i] for i in keep]
         if self.guide is not None:
-            from lethe.heads.t3.guide import HeadGuide
-
-            floor = getattr(self.guide, "floor", None)
-            self.guide = HeadGuide([self.guide.rows[i] for i in keep], getattr(self.guide, "fused", None),
-                                   None if floor is None else floor[idx])
+            self.guide = self.guide.kept(keep)
         return keep
 
     def completions(self) -> list[Completion]:
@@ -539,11 +532,3 @@ def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParam
             out[i] = c
     return out  # type: ignore[return-value]
 
-
-def _floors(mine, n_mine: int, theirs, n_theirs: int, device) -> torch.Tensor | None:
-    """The sticky gates' floors of two batches' rows, one after the other (None: neither batch has any)."""
-    floors = [getattr(g, "floor", None) for g in (mine, theirs)]
-    if all(f is None for f in floors):
-        return None
-    return torch.cat([f if f is not None else torch.zeros(n, device=device)
-                      for f, n in zip(floors, (n_mine, n_theirs))])

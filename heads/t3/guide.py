@@ -148,6 +148,28 @@ class HeadGuide:
         guide.same = (head, settings)
         return guide
 
+    def kept(self, idx: list[int]) -> "HeadGuide":
+        """This guide for rows `idx` only, in that order (a batch dropping its finished rows), floors with them."""
+        return HeadGuide([self.row(i) for i in idx], self.fused, None if self.floor is None else self.floor[idx])
+
+    def replaced(self, rows: list[tuple[T3Head, TiltSettings] | None]) -> "HeadGuide":
+        """The same rows with other heads and settings (None where a row failed), their floors kept."""
+        return HeadGuide(rows, self.fused, self.floor)
+
+    @staticmethod
+    def joined(first: "HeadGuide | None", n_first: int, second: "HeadGuide | None", n_second: int,
+               device) -> "HeadGuide":
+        """The guide of two batches' rows, one after the other (a batch without a guide: rows without a head),
+        their sticky floors with them."""
+        parts = ((first, n_first), (second, n_second))
+        rows = [row for guide, n in parts for row in ([guide.row(i) for i in range(n)] if guide else [None] * n)]
+        floors = [None if guide is None else guide.floor for guide, _ in parts]
+        floor = None
+        if any(f is not None for f in floors):
+            floor = torch.cat([f if f is not None else torch.zeros(n, device=device)
+                               for f, (_, n) in zip(floors, parts)])
+        return HeadGuide(rows, (first or second).fused, floor)
+
     def _build(self, batch: int, device) -> list["_Group"]:
         rows = [self.same] * batch if self.same is not None else self.rows
         sticky = [row is not None and row[1].sticky_gate and row[1].gate for row in rows]
