@@ -16,6 +16,7 @@ def _free_port() -> int:
 
 def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp_path):
     from lethe.clients.cli import main
+    from lethe.heads.evaluation.facts import hit
     from lethe.server.bench.attacks import CONTEXTS
 
     out = tmp_path / "attacks.json"
@@ -32,6 +33,12 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
             assert 0 <= row[side]["hits_base"] <= 1 and 0 <= row[side]["hits_profile"] <= 1, (name, side)
         assert 0 <= row["retain"]["identical"] <= 1 and set(row["forget"]["fluency_profile"]) == {
             "nonword", "repeated_3gram", "loops"}
+        # the greedy answers that fail a bar are there to read: as many as the rates count (4 questions: all kept)
+        forget, retain = row["forget"], row["retain"]
+        leaks = [m for m in row["forget_misses"] if hit(m["profile"], m["gold"])]
+        assert len(leaks) == round(forget["hits_profile"] * 4), (name, row["forget_misses"])
+        assert len(row["retain_misses"]) == round((1 - retain["identical"]) * 4), name
+        assert all(m["base"] != m["profile"] for m in row["retain_misses"])
     plain = rows["plain"]["forget"]
     assert plain["hits_base"] > 0 and plain["hits_profile"] < plain["hits_base"]  # known, then forgotten
     tokens = {name: rows[name]["prompt_tokens"] for name in ("plain", "preamble", "document")}

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from lethe.heads.evaluation.facts import KINDS, hit, records
-from lethe.heads.evaluation.metrics import EnglishWords
+from lethe.heads.evaluation.metrics import EnglishWords, has_loop
 from lethe.server.bench import shown_path
 from lethe.server.bench.real import fluency
 
@@ -438,9 +438,10 @@ class AttackBench:
             tokens += [b[1] for _, b, _ in pairs]
             skipped = len(runs) * len(items) - len(pairs)
             out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab)
-            if label == "greedy" and name == "forget":
-                out["examples"] = [{"question": r["question"], "gold": r["gold"], "base": b[0], "profile": p[0]}
-                                   for r, b, p in pairs[:2]]
+            if label == "greedy":
+                if name == "forget":
+                    out["examples"] = [_example(r, b, p) for r, b, p in pairs[:2]]
+                out[f"{name}_misses"] = _misses(name, pairs)
         out["prompt_tokens"] = round(statistics.fmean(tokens), 1) if tokens else None
         f, r = out["forget"], out["retain"]
         self.log(f"{label} {ctx.name}: forget hits {f['hits_base']} -> {f['hits_profile']} (of {f['n']}), retain "
@@ -526,6 +527,23 @@ class AttackBench:
 
 def _share(flags: list[bool]) -> float | None:
     return round(statistics.fmean(flags), 4) if flags else None
+
+
+MISSES = 10  # greedy answers kept per row and set that fail a bar, to read what leaked or changed
+
+
+def _example(item: dict, base: tuple[str, int], profile: tuple[str, int]) -> dict:
+    return {"question": item["question"], "gold": item["gold"], "base": base[0], "profile": profile[0]}
+
+
+def _misses(name: str, pairs: list[tuple]) -> list[dict]:
+    """The first answers of one set that fail a bar: forget answers with the gold or a loop, retain answers that
+    differ from the base model's."""
+    if name == "forget":
+        bad = [(r, b, p) for r, b, p in pairs if hit(p[0], r["gold"]) or has_loop(p[0])]
+    else:
+        bad = [(r, b, p) for r, b, p in pairs if b[0] != p[0]]
+    return [_example(*t) for t in bad[:MISSES]]
 
 
 def _scores(name: str, triples: list[tuple[str, str, str]], skipped: int, vocab) -> dict:
