@@ -46,6 +46,35 @@ def test_ban_repeats_keeps_a_row_at_least_one_choice():
     assert scores[4] == float("-inf") and scores[3] == 1.0
 
 
+def test_ban_repeats_stops_a_loop_of_punctuation_but_never_cuts_a_character():
+    from lethe.heads.decoding.repeats import WordClasses
+
+    # tokens 0-1 are words; 2 "\n", 3 "-", 4 " " have no letter; 5 and 6 are bytes of one emoji
+    classes = WordClasses([0, 1, -1, -1, -1, -1, -1], [[0], [1]], frozenset({2, 3, 4}))
+    loop = [0, 1, 2, 3, 4, 2, 3]  # "Capital of\n- \n-": a space would say "- " after "\n" again
+    scores = torch.zeros(7)
+    ban_repeats(scores, loop, 3, classes)
+    assert scores[4] == float("-inf") and torch.isfinite(scores[[0, 1, 2, 3, 5, 6]]).all()
+    scores = torch.zeros(7)
+    ban_repeats(scores, [2, 3, 4, 2, 3, 1], 3, classes)  # a word ended the run: nothing to repeat
+    assert torch.isfinite(scores).all()
+    scores = torch.zeros(7)
+    ban_repeats(scores, [0, 5, 6, 5], 2, classes)  # a second emoji: its second byte is never banned
+    assert torch.isfinite(scores).all()
+    scores = torch.zeros(7)
+    ban_repeats(scores, [0, 2, 3, 2], 2, classes)  # the same run of whole symbols: "\n-\n" then "-" is banned
+    assert scores[3] == float("-inf") and torch.isfinite(scores[[0, 1, 2, 4, 5, 6]]).all()
+
+
+def test_word_classes_mark_the_tokens_the_run_guard_may_ban(tiny_lm):
+    tok = tiny_lm.tokenizer
+    classes = word_classes(tok)
+    special = set(tok.all_special_ids)
+    for t in range(len(classes.of_token)):
+        text = tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert (t in classes.symbols) == (classes.of_token[t] < 0 and "\ufffd" not in text and t not in special), t
+
+
 class _Stubborn:
     """A guide that prefers the same few words at every step, in a fixed order (a model stuck on them)."""
 

@@ -6,8 +6,12 @@ Where a profile turns the guard on and the gate calls the context forget-like,
 the decode loop drops the tokens that would say a word n-gram of the answer a
 second time, as a reader counts it: tokens are compared as words, without case or
 the leading space ("The" and " the" are one word), and tokens without a letter or
-digit (punctuation, spaces) are skipped, as a word count skips them. A row keeps
-at least one choice: if every candidate would repeat, nothing is banned.
+digit (punctuation, spaces) are skipped, as a word count skips them. Those tokens
+get a guard of their own, so that a row cannot loop on them either ("Capital of:
+\n- \n- \n- ..."): within the run of word-less tokens that ends the answer, no
+token that would repeat an n-gram of that run, compared as tokens. A token that is
+part of a character (a byte of an emoji) is never banned, so a character is never cut.
+A row keeps at least one choice: if every candidate would repeat, nothing is banned.
 
 It runs at every step of a guarded row, so the common case (nothing to ban) is a
 few list operations: no tensor is touched unless a banned word is a candidate.
@@ -31,11 +35,21 @@ class WordClasses:
 
     of_token: list[int]
     tokens_of: list[list[int]]
+    # tokens without a letter or digit that the run guard may ban (not the pieces of a character, not specials)
+    symbols: frozenset[int] = frozenset()
 
     def words(self, token_ids: list[int]) -> list[int]:
         """The answer's words, in order (tokens past the tokenizer and word-less tokens skipped)."""
         of, n = self.of_token, len(self.of_token)
         return [w for w in (of[t] if t < n else -1 for t in token_ids) if w >= 0]
+
+    def symbol_run(self, token_ids: list[int]) -> list[int]:
+        """The word-less tokens that end the answer (since its last word), in order."""
+        of, n = self.of_token, len(self.of_token)
+        start = len(token_ids)
+        while start > 0 and token_ids[start - 1] < n and of[token_ids[start - 1]] < 0:
+            start -= 1
+        return token_ids[start:]
 
 
 def word_classes(tokenizer) -> WordClasses:
@@ -53,7 +67,10 @@ def word_classes(tokenizer) -> WordClasses:
     for token, word in enumerate(of_token):
         if word >= 0:
             tokens_of[word].append(token)
-    classes = WordClasses(of_token, tokens_of)
+    special = set(tokenizer.all_special_ids)
+    symbols = frozenset(t for t, (w, text) in enumerate(zip(of_token, texts))
+                        if w < 0 and "\ufffd" not in text and t not in special)
+    classes = WordClasses(of_token, tokens_of, symbols)
     _cache[tokenizer] = classes
     return classes
 
@@ -68,12 +85,15 @@ def repeat_bans(words: list[int], n: int) -> set[int]:
 
 def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses) -> None:
     """In place on one row's (V,) scores: -inf for the tokens whose word would repeat a word n-gram of `answer`
-    (token ids), unless no finite score would be left."""
-    banned = repeat_bans(classes.words(answer), n)
+    (token ids), and the word-less tokens that would repeat an n-gram of the word-less run ending it, unless no
+    finite score would be left."""
+    banned = [t for w in repeat_bans(classes.words(answer), n) for t in classes.tokens_of[w]]
+    run = classes.symbol_run(answer)
+    if len(run) >= n:  # a run of punctuation and spaces that says an n-gram of itself again
+        banned += [t for t in repeat_bans(run, n) if t in classes.symbols]
     if not banned:
         return
-    ids = torch.tensor([t for w in banned for t in classes.tokens_of[w] if t < scores.size(0)], dtype=torch.long,
-                       device=scores.device)
+    ids = torch.tensor([t for t in banned if t < scores.size(0)], dtype=torch.long, device=scores.device)
     if len(ids) == 0 or not bool(torch.isfinite(scores[ids]).any()):
         return  # no banned word is a candidate
     kept = scores.index_fill(0, ids, float("-inf"))
