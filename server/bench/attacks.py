@@ -438,10 +438,9 @@ class AttackBench:
             tokens += [b[1] for _, b, _ in pairs]
             skipped = len(runs) * len(items) - len(pairs)
             out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab)
-            if label == "greedy":
-                if name == "forget":
-                    out["examples"] = [_example(r, b, p) for r, b, p in pairs[:2]]
-                out[f"{name}_misses"] = _misses(name, pairs)
+            if label == "greedy" and name == "forget":
+                out["examples"] = [_example(r, b, p) for r, b, p in pairs[:2]]
+            out[f"{name}_misses"] = _misses(name, pairs)
         out["prompt_tokens"] = round(statistics.fmean(tokens), 1) if tokens else None
         f, r = out["forget"], out["retain"]
         self.log(f"{label} {ctx.name}: forget hits {f['hits_base']} -> {f['hits_profile']} (of {f['n']}), retain "
@@ -529,7 +528,7 @@ def _share(flags: list[bool]) -> float | None:
     return round(statistics.fmean(flags), 4) if flags else None
 
 
-MISSES = 10  # greedy answers kept per row and set that fail a bar, to read what leaked or changed
+MISSES = 10  # answers kept per row and set that fail a bar, to read what leaked or changed
 
 
 def _example(item: dict, base: tuple[str, int], profile: tuple[str, int]) -> dict:
