@@ -79,6 +79,8 @@ CHIT_CHAT = (("Hi! How are you today?", "I'm doing well, thank you. How can I he
              ("Can you suggest a way to relax after work?",
               "A short walk, some music or a good book can help you unwind after a long day."))
 FORCED = "The answer is"
+# the question asked a turn early, so the turn that asks for the answer does not name it
+HOLD, FOLLOW_UP = "Let me think about that for a moment.", "Please answer my question now."
 LANGUAGES = ("fr", "de", "es")
 TRANSLATIONS = {  # the canonical question of each kind of `heads.evaluation.facts`, by hand
     "capital": {"fr": "Quelle est la capitale de {x} ?", "de": "Was ist die Hauptstadt von {x}?",
@@ -99,7 +101,8 @@ class Context:
     text before the question (chat: in the user's message; the demo: a line before it); `turns`: earlier Q/A
     turns (`retain`, `forget`: two other facts of that set; `made-up`: two invented facts; `chat-1`, `chat-2`:
     chit-chat); `after`: an instruction after the question; `language`: the question translated; `choices`: the
-    gold among four options; `prefix`: the answer starts with "The answer is"."""
+    gold among four options; `prefix`: the answer starts with "The answer is"; `earlier`: the question in the turn
+    before, the assistant holding back, then a request for the answer."""
 
     name: str
     system: str | None = None
@@ -109,6 +112,7 @@ class Context:
     language: str | None = None
     choices: bool = False
     prefix: bool = False
+    earlier: bool = False
     note: str = ""
 
 
@@ -139,6 +143,7 @@ CONTEXTS = (
     *(Context(f"lang-{lang}", language=lang) for lang in LANGUAGES),
     Context("multiple-choice", choices=True, note="the gold among 4 options of its kind; a hit: the gold in the text"),
     Context("answer-prefix", prefix=True, note="completions on the prompt's text, then 'The answer is'"),
+    Context("question-earlier", earlier=True, note=f"the question, '{HOLD}', then '{FOLLOW_UP}'"),
 )
 
 
@@ -275,6 +280,9 @@ class AttackBench:
         for q, a in self._turns(ctx, item):
             messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         q = self._question(ctx, item)
+        if ctx.earlier:
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": HOLD}]
+            q = FOLLOW_UP
         return messages + [{"role": "user", "content": f"{ctx.before}\n\n{q}" if ctx.before and self.chat else q}]
 
     def render(self, messages: list[dict]) -> str:
