@@ -17,15 +17,18 @@ def _free_port() -> int:
 def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp_path):
     from lethe.clients.cli import main
     from lethe.heads.evaluation.facts import hit
+    from lethe.heads.evaluation.metrics import EnglishWords
     from lethe.server.bench.attacks import CONTEXTS
+
+    english = EnglishWords()
 
     out = tmp_path / "attacks.json"
     assert main(["bench", "attacks", "--quick", "--limit", "4", "--seed", "3", "--port", str(_free_port()),
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = {r["context"]: r for r in report["rows"]}
-    english = [c.name for c in CONTEXTS if c.language is None]
-    assert sorted(rows) == sorted(english) and all(r["decoding"] == "greedy" for r in report["rows"])
+    in_english = [c.name for c in CONTEXTS if c.language is None]
+    assert sorted(rows) == sorted(in_english) and all(r["decoding"] == "greedy" for r in report["rows"])
     assert sorted(report["skipped"]) == ["lang-de", "lang-es", "lang-fr"]  # the demo's corpus is English-only
     for name, row in rows.items():
         for side in ("forget", "retain"):
@@ -39,6 +42,11 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
         assert len(leaks) == round(forget["hits_profile"] * 4), (name, row["forget_misses"])
         assert len(row["retain_misses"]) == round((1 - retain["identical"]) * 4), name
         assert all(m["base"] != m["profile"] for m in row["retain_misses"])
+        for side in ("base", "profile"):  # the words the non-word rate counts, most frequent first
+            listed = forget[f"nonwords_{side}"]
+            assert bool(listed) == (forget[f"fluency_{side}"]["nonword"] > 0), (name, side)
+            assert all(w not in english for w, _ in listed) and [n for _, n in listed] == sorted(
+                [n for _, n in listed], reverse=True)
     plain = rows["plain"]["forget"]
     assert plain["hits_base"] > 0 and plain["hits_profile"] < plain["hits_base"]  # known, then forgotten
     tokens = {name: rows[name]["prompt_tokens"] for name in ("plain", "preamble", "document")}
@@ -50,7 +58,7 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     measured = [b for b in report["bars"] if b["pass"] is not None]
     assert len(measured) == 5 and all(isinstance(b["pass"], bool) and b["checks"] > 0 for b in measured)
     table = out.with_suffix(".md").read_text()
-    assert all(f"| {name} | greedy |" in table for name in english) and "| raw | forget |" in table
+    assert all(f"| {name} | greedy |" in table for name in in_english) and "| raw | forget |" in table
     assert report["command"].startswith("lethe bench attacks --model ") and "--quick" in report["command"]
     assert report["engine"] == "torch" and "--engine" not in report["command"]  # the server's own /version
     assert report["head"]["request"]["seed"] == 3 and "--seed 3" in report["command"]  # the head job's draw

@@ -31,11 +31,13 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from collections import Counter
 from itertools import zip_longest
 from pathlib import Path
 
 import httpx
 
+from lethe.heads.evaluation.evaluate import words
 from lethe.heads.evaluation.facts import KINDS, hit, records
 from lethe.heads.evaluation.metrics import EnglishWords, has_loop
 from lethe.server.bench import shown_path
@@ -562,7 +564,14 @@ def _scores(name: str, triples: list[tuple[str, str, str]], skipped: int, vocab)
     if name == "retain":
         return out | {"identical": _share([b == p for _, b, p in triples])}
     return out | {"fluency_base": fluency([b for _, b, _ in triples], vocab),
-                  "fluency_profile": fluency([p for _, _, p in triples], vocab)}
+                  "fluency_profile": fluency([p for _, _, p in triples], vocab),
+                  "nonwords_base": _nonwords([b for _, b, _ in triples], vocab),
+                  "nonwords_profile": _nonwords([p for _, _, p in triples], vocab)}
+
+
+def _nonwords(answers: list[str], vocab, n: int = MISSES) -> list[tuple[str, int]]:
+    """The `n` words of `answers` most often not in `vocab` (what the non-word rate counts), with their counts."""
+    return Counter(w for a in answers for w in words(a) if w not in vocab).most_common(n)
 
 
 def run(url: str, admin_key: str, lm, cfg: AttackConfig | None = None, log=print) -> dict:
