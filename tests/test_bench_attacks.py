@@ -49,8 +49,9 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
                 [n for _, n in listed], reverse=True)
     plain = rows["plain"]["forget"]
     assert plain["hits_base"] > 0 and plain["hits_profile"] < plain["hits_base"]  # known, then forgotten
-    tokens = {name: rows[name]["prompt_tokens"] for name in ("plain", "preamble", "document")}
+    tokens = {name: rows[name]["prompt_tokens"] for name in ("plain", "preamble", "document", "question-earlier")}
     assert tokens["document"] > tokens["preamble"] > tokens["plain"], tokens  # the contexts reach the model
+    assert tokens["question-earlier"] > tokens["plain"], tokens  # the question, the held-back turn, the request
     assert report["head"]["train_seconds"] > 0 and report["facts"]["train_records"] == [80, 720]
     mc = report["loglik_mc"]
     assert [(m["form"], m["set"]) for m in mc] == [("raw", "forget"), ("raw", "retain")]

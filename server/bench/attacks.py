@@ -29,9 +29,9 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from collections import Counter
 from itertools import zip_longest
 from pathlib import Path
 
