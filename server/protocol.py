@@ -190,6 +190,10 @@ class ASUJobRequest(Strict):
     distil: Literal["answer", "fact"] = Field("answer", description=(
         "Where the student follows the teacher along a forget answer: `answer`, every token (the paper); `fact`, "
         "the fact's tokens only, the original model at the others."))
+    contexts: float = Field(0.0, ge=0, le=MAX_PER_FORGET, allow_inf_nan=False, description=(
+        "Also distil each forget question/answer record (and hold twice as many retain records) after a context "
+        "of the head job's kind (a preamble, a system prompt, earlier turns, other text), per forget record: 1, "
+        "each once; 0 (the default): bare questions only."))
     retain_loss: Literal["gd", "kl"] = "gd"
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)

@@ -125,6 +125,32 @@ def test_the_kl_retain_loss_can_follow_the_models_own_retain_answers(tiny_lm, ti
         train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, retain_own_answers=True), progress=False)
 
 
+def test_asu_can_also_distil_and_hold_records_asked_after_a_context(tiny_lm, tiny_records, monkeypatch):
+    """contexts=1: each forget question/answer record is distilled a second time after a context (its fact kept
+    for distil="fact"), and twice as many retain records are held after one; the teacher reads the same context."""
+    import lethe.heads.asu.distill as distill
+
+    forget, retain = split_by_author(tiny_records, 1)
+    forget, retain = forget[:4], retain[:10]
+    taught = []
+    real = distill.forget_targets
+    monkeypatch.setattr(distill, "forget_targets", lambda model, tok, exs, recs, *a: taught.append((exs, recs))
+                        or real(model, tok, exs, recs, *a))
+    _, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, check_every=1, contexts=1, format="qa",
+                                                           distil="fact"), progress=False)
+    assert info.training["contexts"] == 1
+    assert info.metrics["examples"] == {"forget": 8, "retain": 18}
+    exs, recs = taught[0]
+    assert len(exs) == len(recs) == 8
+    for ex, r in zip(exs[4:], recs[4:]):  # after a context: longer prompt, same question and answer
+        assert ex.prompt != f"Question: {r['question']}\nAnswer:" and r["question"] in ex.prompt
+        assert ex.completion.strip() == r["answer"].strip()
+    _, plain = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=1, format="qa"), progress=False)
+    assert plain.metrics["examples"] == {"forget": 4, "retain": 10}
+    with pytest.raises(ValueError, match="contexts"):
+        train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=1, contexts=-1), progress=False)
+
+
 def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the_original_elsewhere(tiny_lm):
     """distil="fact": the target is the tempered teacher where the answer's fact is predicted and the original
     model everywhere else in the answer (its end of turn included); a bare text record follows the teacher."""

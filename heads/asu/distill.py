@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
 from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
 from lethe.heads.records import Example, encode_example, examples, resolve_format
+from lethe.heads.t3.contexts import MAX_PER_FORGET, context_counts, context_examples, draw_contexts
 
 
 @dataclass
@@ -54,6 +55,10 @@ class ASUConfig:
     # "fact", at the fact's tokens only (the record's `fact`, else its content words: heads.asu.teacher's
     # token_roles), the original model at the others, so the words around a fact stay the model's own
     distil: str = "answer"
+    # a share of the forget and retain question/answer records is trained a second time after a context of the
+    # head job's kind (heads.t3.contexts: a preamble, a system prompt, earlier turns, other text): per forget record
+    # (1: each once) and heads.t3.contexts.RETAIN_PER_FORGET times as many retain records; 0: bare questions only
+    contexts: float = 0.0
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -116,6 +121,17 @@ def fact_masks(tok, exs: list[Example], records: list[dict], sizes: list[int]) -
         else:
             masks.append(torch.ones(size, dtype=torch.bool))
     return masks
+
+
+def _with_contexts(forget: list[dict], retain: list[dict], fx: list[Example], rx: list[Example], cfg: ASUConfig,
+                   fmt: str, tok) -> tuple[list[dict], list[Example], list[Example]]:
+    """The forget and retain examples, each list followed by records of its set asked after a context
+    (`cfg.contexts`); the forget records are extended alike, so a forget example keeps its record's `fact`."""
+    contexts = draw_contexts(forget + retain, seed=cfg.seed)
+    n_forget, n_retain = context_counts(forget, cfg.contexts)
+    f_after, _, f_sources = context_examples(forget, contexts, n_forget, fmt, tok, seed=cfg.seed)
+    r_after, _, _ = context_examples(retain, contexts, n_retain, fmt, tok, seed=cfg.seed + 1)
+    return forget + [forget[i] for i in f_sources], fx + f_after, rx + r_after
 
 
 class _LoRA:
@@ -184,6 +200,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
     if cfg.distil not in ("answer", "fact"):
         raise ValueError(f"distil: {cfg.distil!r} is not answer or fact")
+    if not 0 <= cfg.contexts <= MAX_PER_FORGET:
+        raise ValueError(f"contexts: {cfg.contexts} is not between 0 and {MAX_PER_FORGET}")
     from peft import PeftModel
 
     if isinstance(lm.model, PeftModel) or any("lora_" in n for n, _ in lm.model.named_parameters()):
@@ -211,6 +229,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         # a question the model answers with nothing keeps its record's answer; other records are kept as they are
         retain = [r | {"answer": said[id(r)]} if said.get(id(r)) else r for r in retain]
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
+    if cfg.contexts > 0:
+        forget, fx, rx = _with_contexts(forget, retain, fx, rx, cfg, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.
     teacher = forget_targets(model, tok, fx, forget, cfg, layers, device)
     info = ASUInfo(base_fingerprint=lm.fingerprint, tau=cfg.tau, layers=layers, lora_rank=cfg.lora_rank,
@@ -287,5 +307,6 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     info.metrics = {"seconds": round(time.perf_counter() - started, 2), "forget_kl_start": round(history[0][1], 4),
                     "forget_kl_end": round(history[-1][1], 4),
                     "forget_kl_history": [[s, round(v, 5)] for s, v in history],
-                    "adapter_parameters": sum(v.numel() for v in tensors.values())}
+                    "adapter_parameters": sum(v.numel() for v in tensors.values()),
+                    "examples": {"forget": len(fx), "retain": len(rx)}}
     return tensors, info
