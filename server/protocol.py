@@ -194,6 +194,9 @@ class ASUJobRequest(Strict):
         "Also distil each forget question/answer record (and hold twice as many retain records) after a context "
         "of the head job's kind (a preamble, a system prompt, earlier turns, other text), per forget record: 1, "
         "each once; 0 (the default): bare questions only."))
+    student_answers: int = Field(0, ge=0, le=10, description=(
+        "Times during training (evenly spaced) the student answers the forget questions greedily; where an answer "
+        "still states its record's `fact`, the student is distilled along that answer too from then on. 0: never."))
     retain_loss: Literal["gd", "kl"] = "gd"
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)

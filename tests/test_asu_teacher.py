@@ -151,6 +151,38 @@ def test_asu_can_also_distil_and_hold_records_asked_after_a_context(tiny_lm, tin
         train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=1, contexts=-1), progress=False)
 
 
+def test_asu_distils_along_the_students_own_answers_that_still_state_the_fact(tiny_lm, tiny_records, monkeypatch):
+    """student_answers=1: halfway, the student answers the forget questions; the answers that still state the fact
+    join the distillation (with the teacher read along them, on the base weights), the others do not."""
+    import lethe.heads.asu.distill as distill
+    import lethe.heads.asu.teacher as teacher
+
+    forget, retain = split_by_author(tiny_records, 1)
+    forget = [r | {"fact": r["answer"].split()[-1].strip(".")} for r in forget[:4]]
+    calls = []
+
+    def student_says(lm, records, fmt, max_new_tokens=48):
+        calls.append(any("lora_" in n for n, _ in lm.model.named_parameters()))  # the student answers
+        return [f"I think {r['fact']}." if i % 2 == 0 else "I do not know." for i, r in enumerate(records)]
+
+    monkeypatch.setattr(teacher, "greedy_answers", student_says)
+    taught = []
+    real = distill.forget_targets
+    monkeypatch.setattr(distill, "forget_targets", lambda model, tok, exs, recs, *a: taught.append(
+        (list(exs), any(getattr(m, "disable_adapters", False) for m in model.modules()))) or real(model, tok, exs,
+                                                                                                    recs, *a))
+    _, info = train_asu(tiny_lm, forget, retain[:8], ASUConfig(tau=4.0, steps=4, check_every=1, student_answers=1,
+                                                               format="qa", distil="fact"), progress=False)
+    assert calls == [True]
+    assert info.metrics["student_answers_stating_fact"] == {"questions": 4, "rounds": [[2, 2]]}
+    assert info.metrics["examples"]["forget"] == 6
+    added, adapter_off = taught[-1]
+    assert [e.completion.strip() for e in added] == [f"I think {forget[0]['fact']}.", f"I think {forget[2]['fact']}."]
+    assert adapter_off  # the teacher is the base model tempered, not the student
+    with pytest.raises(ValueError, match="student_answers"):
+        train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=1, student_answers=-1), progress=False)
+
+
 def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the_original_elsewhere(tiny_lm):
     """distil="fact": the target is the tempered teacher where the answer's fact is predicted and the original
     model everywhere else in the answer (its end of turn included); a bare text record follows the teacher."""

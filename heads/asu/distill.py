@@ -59,6 +59,11 @@ class ASUConfig:
     # head job's kind (heads.t3.contexts: a preamble, a system prompt, earlier turns, other text): per forget record
     # (1: each once) and heads.t3.contexts.RETAIN_PER_FORGET times as many retain records; 0: bare questions only
     contexts: float = 0.0
+    # times during training (evenly spaced) the student answers the forget questions greedily; where its answer still
+    # states the record's fact, it is distilled along that answer too from then on (the teacher and, with
+    # distil="fact", the original read that answer): the student learns to leave the fact out along the paths it
+    # takes itself, not only along the base model's answer ("... is the city of Paris" after "... is" was pushed)
+    student_answers: int = 0
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -200,6 +205,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
     if cfg.distil not in ("answer", "fact"):
         raise ValueError(f"distil: {cfg.distil!r} is not answer or fact")
+    if not 0 <= cfg.student_answers <= 10:
+        raise ValueError(f"student_answers: {cfg.student_answers} is not between 0 and 10")
     if not 0 <= cfg.contexts <= MAX_PER_FORGET:
         raise ValueError(f"contexts: {cfg.contexts} is not between 0 and {MAX_PER_FORGET}")
     from peft import PeftModel
@@ -229,6 +236,7 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         # a question the model answers with nothing keeps its record's answer; other records are kept as they are
         retain = [r | {"answer": said[id(r)]} if said.get(id(r)) else r for r in retain]
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
+    asked = [r for r in forget if "question" in r and isinstance(r.get("fact"), str) and r["fact"].strip()]
     if cfg.contexts > 0:
         forget, fx, rx = _with_contexts(forget, retain, fx, rx, cfg, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.
@@ -274,6 +282,25 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                 peft_model.train()
             return sum(values) / len(values)
 
+        def add_student_answers() -> int:
+            """Distil along the student's greedy answers to the forget questions that still state their fact."""
+            from lethe.heads.asu.teacher import greedy_answers
+
+            peft_model.eval()
+            with torch.no_grad():
+                said = greedy_answers(lm, asked, fmt)
+            peft_model.train()
+            new = [r | {"answer": text, "fact": text[at:at + len(r["fact"])]} for r, text in zip(asked, said)
+                   if (at := text.lower().find(r["fact"].lower())) >= 0]
+            if new:
+                nx = examples(new, fmt, tok)
+                with student.original():
+                    teacher.extend(forget_targets(peft_model, tok, nx, new, cfg, layers, device))
+                fx.extend(nx)
+            return len(new)
+
+        rounds = {round(cfg.steps * k / (cfg.student_answers + 1)) for k in range(1, cfg.student_answers + 1)}
+        still_stated: list[list[int]] = []  # per round: (step, forget questions whose student answer stated the fact)
         best, stale, history, step = full_forget_kl(), 0, [], 0
         history.append((0, best))
         bar = tqdm(range(cfg.steps), desc="distilling", disable=not progress, leave=False)
@@ -288,7 +315,11 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
             bar.set_postfix(kl=f"{kl.item():.3f}", retain=f"{ret.item():.3f}")
             if on_progress is not None:
                 on_progress((step + 1) / cfg.steps)
-            if (step + 1) % cfg.check_every == 0:
+            if step + 1 in rounds and asked:
+                still_stated.append([step + 1, add_student_answers()])
+                best, stale = full_forget_kl(), 0  # the new answers are not learned yet: measure from here
+                history.append((step + 1, best))
+            elif (step + 1) % cfg.check_every == 0:
                 current = full_forget_kl()
                 history.append((step + 1, current))
                 if current < best * 0.99:
@@ -309,4 +340,6 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                     "forget_kl_history": [[s, round(v, 5)] for s, v in history],
                     "adapter_parameters": sum(v.numel() for v in tensors.values()),
                     "examples": {"forget": len(fx), "retain": len(rx)}}
+    if rounds:
+        info.metrics["student_answers_stating_fact"] = {"questions": len(asked), "rounds": still_stated}
     return tensors, info

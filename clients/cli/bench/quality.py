@@ -56,6 +56,11 @@ def register(bench: argparse._SubParsersAction) -> None:
                    "the teacher: every answer token (default), or the fact's tokens only, the original elsewhere")
     p.add_argument("--asu-lora-layers", default=None, help="the layers ASU's LoRA adapters go in, e.g. 20-29 "
                    "(default: all)")
+    p.add_argument("--asu-contexts", type=float, default=0.0, help="ASU also distils (and holds retain records) "
+                   "after contexts, per forget record (default 0)")
+    p.add_argument("--asu-student-answers", type=int, default=0, help="times during ASU's training the student "
+                   "answers the forget questions and is distilled along the answers that still state the fact "
+                   "(default 0)")
     p.add_argument("--asu-adapter-above", type=float, default=0.5, help="the 'asu+head routed' variant: the "
                    "adapter only where the head's probe gives P(forget | prompt) above this (default 0.5)")
     _add_engine_args(p)
@@ -131,6 +136,7 @@ def cmd_bench_real(args) -> int:
                           asu_retain_loss=args.asu_retain_loss, asu_retain_weight=args.asu_retain_weight,
                           asu_own_answers=args.asu_own_answers, asu_retain_own_answers=args.asu_retain_own_answers,
                           asu_distil=args.asu_distil, asu_lora_layers=args.asu_lora_layers,
+                          asu_contexts=args.asu_contexts, asu_student_answers=args.asu_student_answers,
                           asu_adapter_above=args.asu_adapter_above)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
