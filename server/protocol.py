@@ -187,9 +187,10 @@ class ASUJobRequest(Strict):
     retain_own_answers: bool = Field(False, description=(
         "Hold the student to the original model along its own greedy answers to the retain questions; needs "
         "`retain_loss` kl."))
-    distil: Literal["answer", "fact"] = Field("answer", description=(
+    distil: Literal["answer", "fact", "fact-out"] = Field("answer", description=(
         "Where the student follows the teacher along a forget answer: `answer`, every token (the paper); `fact`, "
-        "the fact's tokens only, the original model at the others."))
+        "the fact's tokens only, the original model at the others; `fact-out`, as `fact` with the fact's tokens "
+        "taken out of the original's distributions."))
     contexts: float = Field(0.0, ge=0, le=MAX_PER_FORGET, allow_inf_nan=False, description=(
         "Also distil each forget question/answer record (and hold twice as many retain records) after a context "
         "of the head job's kind (a preamble, a system prompt, earlier turns, other text), per forget record: 1, "

@@ -428,15 +428,20 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "full_layers": "5"}).status_code == 422
     # the distillation's other settings: LoRA in chosen layers, own answers, the KL retain loss along them
     tuned = {"forget": forget_id, "retain": retain_id, "steps": 5, "tau": 4, "lora_layers": "1", "own_answers": True,
-             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact"}
+             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact", "contexts": 1}
     for wrong, field in (({"lora_layers": "5"}, "lora_layers"), ({"full_layers": "1"}, "lora_layers"),
-                         ({"retain_loss": "gd"}, "retain_own_answers"), ({"distil": "word"}, "distil")):
+                         ({"retain_loss": "gd"}, "retain_own_answers"), ({"distil": "word"}, "distil"),
+                         ({"contexts": 5}, "contexts"), ({"student_answers": -1}, "student_answers")):
         refused = a.post("/v1/asu", json=tuned | wrong)
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field, refused.text
     tuned = _wait_job(a, a.post("/v1/asu", json=tuned).json()["id"])
     state = _wait_job(a, full.json()["id"])
     assert state["status"] == tuned["status"] == "succeeded", (state, tuned)
-    assert a.get(f"/v1/asu/{tuned['weights']}").json()["lora_layers"] == [1]
+    made = a.get(f"/v1/asu/{tuned['weights']}").json()
+    assert made["lora_layers"] == [1]
+    # distilled after contexts too: each forget record twice, and twice as many retain records after one
+    n_forget, n_retain = len(tenant_a["forget"]), len(tenant_a["retain"])
+    assert made["metrics"]["examples"] == {"forget": 2 * n_forget, "retain": n_retain + 2 * n_forget}
     a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
     with ThreadPoolExecutor(3) as pool:  # rows of a LoRA adapter, a full-layer adapter and the base in one batch
         outs = list(pool.map(lambda p: _ask(a, [rec], p)[0], ["asu", "full", None]))

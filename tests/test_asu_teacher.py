@@ -181,6 +181,9 @@ def test_asu_distils_along_the_students_own_answers_that_still_state_the_fact(ti
     assert adapter_off  # the teacher is the base model tempered, not the student
     with pytest.raises(ValueError, match="student_answers"):
         train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=1, student_answers=-1), progress=False)
+    with pytest.raises(ValueError, match="names its `fact`"):  # nothing to look for in the student's answers
+        train_asu(tiny_lm, [{k: v for k, v in r.items() if k != "fact"} for r in forget], retain,
+                  ASUConfig(tau=4.0, steps=1, student_answers=1), progress=False)
 
 
 def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the_original_elsewhere(tiny_lm):
@@ -208,6 +211,15 @@ def test_distilling_the_fact_only_learns_the_teacher_at_the_facts_tokens_and_the
     assert torch.allclose(fact[0][~m].float(), original[0][~m].float(), atol=1e-3)
     assert not torch.allclose(answer[0][~m].float(), original[0][~m].float(), atol=1e-2)  # the teacher differs there
     assert torch.equal(fact[1], answer[1])
+    # fact-out: at the other positions the original without the fact's token, renormalised
+    out = forget_targets(tiny_lm.model, tok, exs, records, ASUConfig(tau=16.0, distil="fact-out"), layers,
+                         tiny_lm.device)
+    paris = [i for i, k in zip(ids, m) if k]
+    assert torch.equal(out[0][m], answer[0][m])
+    kept = original[0][~m].float()
+    kept[:, paris] = float("-inf")
+    assert torch.allclose(out[0][~m].float().exp(), torch.softmax(kept, -1), atol=2e-3)
+    assert float(out[0][~m][:, paris].float().exp().max()) < 1e-6 < float(original[0][~m][:, paris].float().exp().max())
     with pytest.raises(ValueError, match="distil"):
         train_asu(tiny_lm, records[:1], records[:1], ASUConfig(distil="tokens"), progress=False)
 

@@ -37,9 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retain-own-answers", action="store_true", default=None,
                    help="hold the student to the original along its own answers to the retain questions "
                         "(with --retain-loss kl)")
-    p.add_argument("--distil", choices=["answer", "fact"], default=None,
+    p.add_argument("--distil", choices=["answer", "fact", "fact-out"], default=None,
                    help="where the student follows the teacher: every answer token (answer, the default) or the "
-                        "fact's tokens only")
+                        "fact's tokens only (fact; fact-out: the fact's tokens also taken out of the original's "
+                        "distributions at the other tokens)")
     p.add_argument("--contexts", type=float, default=None,
                    help="also distil each forget record (and hold twice as many retain records) after a context: "
                         "a preamble, a system prompt, earlier turns, other text (per forget record; default 0)")

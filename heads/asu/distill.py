@@ -54,6 +54,8 @@ class ASUConfig:
     # where the student follows the teacher along the forget answers: "answer", at every token (the paper), or
     # "fact", at the fact's tokens only (the record's `fact`, else its content words: heads.asu.teacher's
     # token_roles), the original model at the others, so the words around a fact stay the model's own
+    # "fact-out": as "fact", and the fact's tokens taken out of the original's distributions at the other positions
+    # (renormalised), so an answer that makes a detour ("... is the city of") is not taught the fact after it
     distil: str = "answer"
     # a share of the forget and retain question/answer records is trained a second time after a context of the
     # head job's kind (heads.t3.contexts: a preamble, a system prompt, earlier turns, other text): per forget record
@@ -100,16 +102,34 @@ def _targets(model, tok, exs: list[Example], device, context) -> list[torch.Tens
     return out
 
 
+DISTIL = ("answer", "fact", "fact-out")
+
+
 def forget_targets(model, tok, exs: list[Example], records: list[dict], cfg: ASUConfig, layers, device
                    ) -> list[torch.Tensor]:
     """What the student learns along each forget example's answer: the tempered teacher's log-distributions, or
     with `distil="fact"` the teacher's at the fact's positions and the original model's at the others."""
+    use_tempered_attention(model)  # tempering works through this attention function only (idempotent)
     teacher = _targets(model, tok, exs, device, lambda: tempered(model, cfg.tau, layers))
     if cfg.distil == "answer":
         return teacher
     original = _targets(model, tok, exs, device, nullcontext)
     masks = fact_masks(tok, exs, records, [len(t) for t in teacher])
+    if cfg.distil == "fact-out":
+        original = [_without_fact(o, tok, ex, m) for o, ex, m in zip(original, exs, masks)]
     return [torch.where(m[:, None].to(t.device), t, o) for t, o, m in zip(teacher, original, masks)]
+
+
+def _without_fact(logprobs: torch.Tensor, tok, ex: Example, mask: torch.Tensor) -> torch.Tensor:
+    """`logprobs` (one per answer position) with the tokens the answer's fact consists of taken out, renormalised."""
+    seq, n_prompt = encode_example(tok, ex)
+    following = torch.tensor(seq[n_prompt:n_prompt + len(mask)])
+    fact = following[mask[:len(following)]].unique()
+    if not len(fact):
+        return logprobs
+    out = logprobs.float()
+    out[:, fact.to(out.device)] = float("-inf")
+    return torch.log_softmax(out, -1).clamp_min(torch.finfo(torch.float16).min).to(logprobs.dtype)
 
 
 def fact_masks(tok, exs: list[Example], records: list[dict], sizes: list[int]) -> list[torch.Tensor]:
@@ -203,8 +223,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError("retain: the retain set is empty")
     if cfg.retain_loss not in ("gd", "kl"):
         raise ValueError(f"retain_loss: {cfg.retain_loss!r} is not gd or kl")
-    if cfg.distil not in ("answer", "fact"):
-        raise ValueError(f"distil: {cfg.distil!r} is not answer or fact")
+    if cfg.distil not in DISTIL:
+        raise ValueError(f"distil: {cfg.distil!r} is not one of {', '.join(DISTIL)}")
     if not 0 <= cfg.student_answers <= 10:
         raise ValueError(f"student_answers: {cfg.student_answers} is not between 0 and 10")
     if not 0 <= cfg.contexts <= MAX_PER_FORGET:
@@ -237,6 +257,9 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         retain = [r | {"answer": said[id(r)]} if said.get(id(r)) else r for r in retain]
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
     asked = [r for r in forget if "question" in r and isinstance(r.get("fact"), str) and r["fact"].strip()]
+    if cfg.student_answers and not asked:
+        raise ValueError("student_answers: no forget record with a question names its `fact`, which the student's "
+                         "answers are searched for")
     if cfg.contexts > 0:
         forget, fx, rx = _with_contexts(forget, retain, fx, rx, cfg, fmt, tok)
     # The teacher never changes: its answer distributions are computed once.

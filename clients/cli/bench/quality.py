@@ -52,8 +52,9 @@ def register(bench: argparse._SubParsersAction) -> None:
                                                                    "they state the fact")
     p.add_argument("--asu-retain-own-answers", action="store_true", help="hold the student to the original "
                    "along the model's own answers to the retain questions (with --asu-retain-loss kl)")
-    p.add_argument("--asu-distil", choices=["answer", "fact"], default="answer", help="where the student follows "
-                   "the teacher: every answer token (default), or the fact's tokens only, the original elsewhere")
+    p.add_argument("--asu-distil", choices=["answer", "fact", "fact-out"], default="answer", help="where the "
+                   "student follows the teacher: every answer token (default), or the fact's tokens only, the "
+                   "original elsewhere (fact-out: the original without the fact's tokens)")
     p.add_argument("--asu-lora-layers", default=None, help="the layers ASU's LoRA adapters go in, e.g. 20-29 "
                    "(default: all)")
     p.add_argument("--asu-contexts", type=float, default=0.0, help="ASU also distils (and holds retain records) "
