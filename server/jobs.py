@@ -371,7 +371,8 @@ class JobRunner:
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
         cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "lora_layers",
                                                    "retain_loss", "retain_weight", "lr", "steps", "seed", "format",
-                                                   "own_answers", "retain_own_answers", "distil", "contexts", "student_answers")
+                                                   "own_answers", "retain_own_answers", "distil", "contexts",
+                                                   "student_answers")
                            if params.get(k) is not None})
         teacher = None
         if params.get("tau") is None:

@@ -203,6 +203,10 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
                                          "instead: give one of them")
     if body.retain_own_answers and body.retain_loss != "kl":
         raise field_error("retain_own_answers", "needs retain_loss kl (gd would teach the model its own answers)")
+    if body.student_answers and not any("question" in r and isinstance(r.get("fact"), str) and r["fact"].strip()
+                                        for r in request.app.state.store.records(body.forget)):
+        raise field_error("student_answers", "no forget record with a question names its `fact`, which the "
+                                             "student's answers are searched for")
     return _submit(request, tenant_id, "asu", body.model_dump())
 
 

@@ -427,11 +427,15 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     assert full.status_code == 202
     assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "full_layers": "5"}).status_code == 422
     # the distillation's other settings: LoRA in chosen layers, own answers, the KL retain loss along them
+    # a forget set whose records name no `fact`: nothing to look for in the student's answers
+    unnamed = a.post("/v1/datasets?name=unnamed", content=_jsonl([{k: v for k, v in r.items() if k != "fact"}
+                                                                  for r in tenant_a["forget"]])).json()["id"]
     tuned = {"forget": forget_id, "retain": retain_id, "steps": 5, "tau": 4, "lora_layers": "1", "own_answers": True,
              "retain_loss": "kl", "retain_own_answers": True, "distil": "fact", "contexts": 1}
     for wrong, field in (({"lora_layers": "5"}, "lora_layers"), ({"full_layers": "1"}, "lora_layers"),
                          ({"retain_loss": "gd"}, "retain_own_answers"), ({"distil": "word"}, "distil"),
-                         ({"contexts": 5}, "contexts"), ({"student_answers": -1}, "student_answers")):
+                         ({"contexts": 5}, "contexts"), ({"student_answers": -1}, "student_answers"),
+                         ({"student_answers": 1, "forget": unnamed}, "student_answers")):
         refused = a.post("/v1/asu", json=tuned | wrong)
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field, refused.text
     tuned = _wait_job(a, a.post("/v1/asu", json=tuned).json()["id"])

@@ -108,7 +108,8 @@ DISTIL = ("answer", "fact", "fact-out")
 def forget_targets(model, tok, exs: list[Example], records: list[dict], cfg: ASUConfig, layers, device
                    ) -> list[torch.Tensor]:
     """What the student learns along each forget example's answer: the tempered teacher's log-distributions, or
-    with `distil="fact"` the teacher's at the fact's positions and the original model's at the others."""
+    with `distil="fact"` the teacher's at the fact's positions and the original model's at the others (`fact-out`:
+    the original's without the fact's tokens)."""
     use_tempered_attention(model)  # tempering works through this attention function only (idempotent)
     teacher = _targets(model, tok, exs, device, lambda: tempered(model, cfg.tau, layers))
     if cfg.distil == "answer":
