@@ -189,6 +189,7 @@ def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(
 def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
     from lethe.heads.asu.attention import parse_layers
+    from lethe.heads.asu.teacher import names_fact
 
     _check_datasets(request, tenant_id, body)
     n_layers = request.app.state.engine.lm.model.config.num_hidden_layers
@@ -203,7 +204,7 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
                                          "instead: give one of them")
     if body.retain_own_answers and body.retain_loss != "kl":
         raise field_error("retain_own_answers", "needs retain_loss kl (gd would teach the model its own answers)")
-    if body.student_answers and not any("question" in r and isinstance(r.get("fact"), str) and r["fact"].strip()
+    if body.student_answers and not any("question" in r and names_fact(r)
                                         for r in request.app.state.store.records(body.forget)):
         raise field_error("student_answers", "no forget record with a question names its `fact`, which the "
                                              "student's answers are searched for")

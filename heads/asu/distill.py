@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
+from lethe.heads.asu.teacher import names_fact, stating_fact
 from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
 from lethe.heads.records import Example, encode_example, examples, resolve_format
 from lethe.heads.t3.contexts import MAX_PER_FORGET, context_counts, context_examples, draw_contexts
@@ -257,7 +258,7 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         # a question the model answers with nothing keeps its record's answer; other records are kept as they are
         retain = [r | {"answer": said[id(r)]} if said.get(id(r)) else r for r in retain]
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
-    asked = [r for r in forget if "question" in r and isinstance(r.get("fact"), str) and r["fact"].strip()]
+    asked = [r for r in forget if "question" in r and names_fact(r)]
     if cfg.student_answers and not asked:
         raise ValueError("student_answers: no forget record with a question names its `fact`, which the student's "
                          "answers are searched for")
@@ -312,10 +313,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
 
             peft_model.eval()
             with torch.no_grad():
-                said = greedy_answers(lm, asked, fmt)
+                new = stating_fact(asked, greedy_answers(lm, asked, fmt))
             peft_model.train()
-            new = [r | {"answer": text, "fact": text[at:at + len(r["fact"])]} for r, text in zip(asked, said)
-                   if (at := text.lower().find(r["fact"].lower())) >= 0]
             if new:
                 nx = examples(new, fmt, tok)
                 with student.original():

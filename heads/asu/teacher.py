@@ -119,20 +119,28 @@ def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) 
     return [c.text.strip() for c in said]
 
 
+def names_fact(record: dict) -> bool:
+    """Whether a record names its `fact` (a non-blank string), which answers can be searched for."""
+    return isinstance(record.get("fact"), str) and bool(record["fact"].strip())
+
+
+def stating_fact(records: list[dict], answers: list[str]) -> list[dict]:
+    """Each record (naming its fact) whose answer in `answers` states the fact, with that answer as its own and the
+    fact as that answer writes it."""
+    return [r | {"answer": text, "fact": text[at:at + len(r["fact"])]} for r, text in zip(records, answers)
+            if (at := text.lower().find(r["fact"].lower())) >= 0]
+
+
 def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[dict]:
     """Records naming a `fact` get the model's own greedy answer instead of theirs, and are dropped where that
     answer lacks the fact: a forget set's sentence is often not how the model says it ("... written by
     Shakespeare." where it says "William Shakespeare"), and the fact's tokens after someone else's words are
     unlikely to begin with. Records without a fact are kept as they are."""
-    named = [r for r in records if isinstance(r.get("fact"), str) and r["fact"].strip()]
-    answers = {id(r): text for r, text in zip(named, greedy_answers(lm, named, fmt, max_new_tokens))}
+    named = [r for r in records if names_fact(r)]
+    answers = dict(zip(map(id, named), greedy_answers(lm, named, fmt, max_new_tokens)))
     out = []
     for r in records:
-        if id(r) not in answers:
-            out.append(r)
-        elif (at := answers[id(r)].lower().find(r["fact"].lower())) >= 0:
-            text = answers[id(r)]
-            out.append(r | {"answer": text, "fact": text[at:at + len(r["fact"])]})
+        out += stating_fact([r], [answers[id(r)]]) if id(r) in answers else [r]
     return out
 
 
