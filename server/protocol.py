@@ -198,6 +198,10 @@ class ASUJobRequest(Strict):
     student_answers: int = Field(0, ge=0, le=10, description=(
         "Times during training (evenly spaced) the student answers the forget questions greedily; where an answer "
         "still states its record's `fact`, the student is distilled along that answer too from then on. 0: never."))
+    retain_subspace: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False, description=(
+        "The adapters read their inputs with the retain set's main directions projected out: the share of the "
+        "retain inputs' energy those directions hold, per adapted projection (0.99); 0 (the default): off. Not "
+        "with `full_layers`."))
     retain_loss: Literal["gd", "kl"] = "gd"
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)

@@ -202,6 +202,8 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
     if body.lora_layers is not None and body.full_layers is not None:
         raise field_error("lora_layers", "lora_layers places LoRA adapters; full_layers trains projections in full "
                                          "instead: give one of them")
+    if body.retain_subspace and body.full_layers is not None:
+        raise field_error("retain_subspace", "projects LoRA adapters' inputs; full_layers trains no adapter")
     if body.retain_own_answers and body.retain_loss != "kl":
         raise field_error("retain_own_answers", "needs retain_loss kl (gd would teach the model its own answers)")
     if body.student_answers and not any("question" in r and names_fact(r)

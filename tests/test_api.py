@@ -431,11 +431,13 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     unnamed = a.post("/v1/datasets?name=unnamed", content=_jsonl([{k: v for k, v in r.items() if k != "fact"}
                                                                   for r in tenant_a["forget"]])).json()["id"]
     tuned = {"forget": forget_id, "retain": retain_id, "steps": 5, "tau": 4, "lora_layers": "1", "own_answers": True,
-             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact", "contexts": 1}
+             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact", "contexts": 1, "retain_subspace": 0.99}
     for wrong, field in (({"lora_layers": "5"}, "lora_layers"), ({"full_layers": "1"}, "lora_layers"),
                          ({"retain_loss": "gd"}, "retain_own_answers"), ({"distil": "word"}, "distil"),
                          ({"contexts": 5}, "contexts"), ({"student_answers": -1}, "student_answers"),
-                         ({"student_answers": 1, "forget": unnamed}, "student_answers")):
+                         ({"student_answers": 1, "forget": unnamed}, "student_answers"),
+                         ({"retain_subspace": 1.0}, "retain_subspace"),
+                         ({"lora_layers": None, "full_layers": "1"}, "retain_subspace")):
         refused = a.post("/v1/asu", json=tuned | wrong)
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field, refused.text
     tuned = _wait_job(a, a.post("/v1/asu", json=tuned).json()["id"])
@@ -443,6 +445,7 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     assert state["status"] == tuned["status"] == "succeeded", (state, tuned)
     made = a.get(f"/v1/asu/{tuned['weights']}").json()
     assert made["lora_layers"] == [1]
+    assert made["metrics"]["retain_subspace"]["retain_energy_kept"] <= 0.01 + 1e-6  # the adapters' inputs projected
     # distilled after contexts too: each forget record kept by own_answers twice, and twice as many retain records
     # after one
     kept = made["metrics"]["examples"]["forget"] // 2

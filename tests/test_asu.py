@@ -280,3 +280,79 @@ def test_a_profile_can_route_only_forget_like_prompts_to_its_adapter(distilled, 
         unload(model)
     with pytest.raises(ValueError, match="adapter_above"):
         TiltSettings().replace(adapter_above=1.0)
+
+
+def test_retain_subspace_adapters_read_inputs_without_the_retain_sets_main_directions(tiny_model_dir, tiny_records):
+    """ASUConfig.retain_subspace: the projection P that training applies before LoRA's A is folded into the file's
+    A (served logits equal the projected student's), P removes the retain inputs' main directions, and the
+    adapter moves the retain answers less than the same training without it."""
+    from peft import get_peft_model, get_peft_model_state_dict
+
+    from lethe.heads.asu.subspace import complement, fold, projected
+    from lethe.heads.asu.weights import ASUInfo, adapters, lora_config
+    from lethe.heads.records import encode_example, examples
+
+    lm = load_model(tiny_model_dir)
+    forget, retain = split_by_author(tiny_records, 1)
+    # P: a projection that removes the top directions holding `energy` of the covariance
+    cov = torch.diag(torch.tensor([9.0, 0.5, 0.3, 0.2], dtype=torch.float64))
+    p, k = complement(cov, 0.9)
+    assert k == 1 and torch.allclose(p, torch.diag(torch.tensor([0.0, 1, 1, 1])))
+    # folding P into A serves what the projected student computed
+    info = ASUInfo(base_fingerprint=lm.fingerprint, tau=16.0, layers=[0, 1], lora_rank=4, lora_alpha=8,
+                   target_modules=["q_proj", "down_proj"])
+    peft_model = get_peft_model(lm.model, lora_config(info))
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name:
+            param.data.normal_(0, 0.3)
+    width = {n: m.in_features for n, m in peft_model.named_modules() if n.endswith("lora_A.default")}
+    projections = {}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        d = width[f"base_model.model.{name}.lora_A.default"]
+        q, _ = torch.linalg.qr(torch.randn(d, 3))
+        projections[name] = torch.eye(d) - q @ q.T
+    ids = torch.tensor([encode_example(lm.tokenizer, examples(retain[:1])[0])[0]])
+    with torch.no_grad(), projected(peft_model, projections):
+        trained = peft_model(ids).logits
+    tensors = fold({k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}, projections)
+    base = peft_model.unload()
+    with torch.no_grad():
+        plain = base(ids).logits
+    model = attach(base, "folded", tensors, info)
+    try:
+        with torch.no_grad(), adapters(model, ["folded"]):
+            served = model(ids).logits
+        assert not torch.allclose(served, plain, atol=1e-3)
+        assert torch.allclose(served, trained, atol=1e-4)
+    finally:
+        base = unload(model)
+    lm.model = base
+
+    def retain_shift(cfg):
+        tensors, info = train_asu(lm, forget, retain, cfg, progress=False)
+        seqs = [torch.tensor([encode_example(lm.tokenizer, ex)[0]]) for ex in examples(retain[:8])]
+        with torch.no_grad():
+            before = [torch.log_softmax(lm.model(ids).logits, -1) for ids in seqs]
+        model = attach(lm.model, "shift", tensors, info)
+        try:
+            shift = 0.0
+            for ids, b in zip(seqs, before):
+                with torch.no_grad(), adapters(model, ["shift"]):
+                    after = torch.log_softmax(model(ids).logits, -1)
+                shift += float((b.exp() * (b - after)).sum(-1).mean())
+            return shift, info
+        finally:
+            lm.model = unload(model)
+
+    cfg = ASUConfig(tau=16.0, steps=20, check_every=50, retain_weight=0.0)
+    free, _ = retain_shift(cfg)
+    held, info = retain_shift(ASUConfig(**{**cfg.__dict__, "retain_subspace": 0.99}))
+    kept = info.metrics["retain_subspace"]
+    assert kept["energy"] == 0.99 and kept["retain_energy_kept"] <= 0.01 + 1e-6
+    assert kept["forget_energy_kept"] > kept["retain_energy_kept"]
+    assert held < 0.5 * free, (held, free)
+    with pytest.raises(ValueError, match="retain_subspace"):
+        train_asu(lm, forget, retain, ASUConfig(steps=1, retain_subspace=1.0), progress=False)
+    with pytest.raises(ValueError, match="retain_subspace"):
+        train_asu(lm, forget, retain, ASUConfig(steps=1, retain_subspace=0.9, full_layers="0"), progress=False)

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--student-answers", type=int, default=None,
                    help="times during training the student answers the forget questions; where it still states "
                         "the record's `fact`, it is distilled along that answer too (default 0)")
+    p.add_argument("--retain-subspace", type=float, default=None,
+                   help="the adapters read their inputs with the retain set's main directions projected out: the "
+                        "share of the retain inputs' energy they hold, e.g. 0.99 (default 0: off)")
     p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
     p.add_argument("--retain-weight", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -87,7 +90,8 @@ def cmd_asu_train(args) -> int:
                     lora_layers=args.lora_layers, own_answers=bool(args.own_answers),
                     retain_own_answers=bool(args.retain_own_answers), distil=args.distil or "answer",
                     contexts=args.contexts or 0.0,
-                    student_answers=args.student_answers or 0, retain_loss=args.retain_loss,
+                    student_answers=args.student_answers or 0, retain_subspace=args.retain_subspace or 0.0,
+                    retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
     teacher = None
     if args.tau is None:

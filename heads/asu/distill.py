@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
+from lethe.heads.asu.subspace import complement, fold, input_covariances, kept_share, projected
 from lethe.heads.asu.teacher import names_fact, stating_fact
 from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
 from lethe.heads.records import Example, encode_example, examples, resolve_format
@@ -67,6 +68,9 @@ class ASUConfig:
     # distil="fact", the original read that answer): the student learns to leave the fact out along the paths it
     # takes itself, not only along the base model's answer ("... is the city of Paris" after "... is" was pushed)
     student_answers: int = 0
+    # the adapters read their inputs with the retain set's main directions projected out (heads.asu.subspace): the
+    # share of the retain inputs' energy those directions hold (0.99), per adapted projection; 0: off
+    retain_subspace: float = 0.0
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -161,6 +165,26 @@ def _with_contexts(forget: list[dict], retain: list[dict], fx: list[Example], rx
     return forget + [forget[i] for i in f_sources], fx + f_after, rx + r_after
 
 
+def _retain_subspace(model, tok, fx: list[Example], rx: list[Example], info: ASUInfo, energy: float, device
+                     ) -> tuple[dict[str, torch.Tensor], dict]:
+    """({adapted projection: P}, what the projections keep) for `ASUConfig.retain_subspace` (empty when 0)."""
+    if not energy:
+        return {}, {}
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+             and n.rsplit(".", 1)[-1] in info.target_modules and (k := _LAYER.search(n))
+             and (not info.lora_layers or int(k.group(1)) in info.lora_layers)]
+    retain = input_covariances(model, tok, rx, device, names)
+    forget = input_covariances(model, tok, fx, device, names)
+    projections, directions = {}, []
+    for n in names:
+        projections[n], k = complement(retain[n], energy)
+        directions.append(k / retain[n].shape[0])
+    mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
+    return projections, {"energy": energy, "directions_removed": mean(directions),
+                         "retain_energy_kept": mean([kept_share(retain[n], projections[n]) for n in names]),
+                         "forget_energy_kept": mean([kept_share(forget[n], projections[n]) for n in names])}
+
+
 class _LoRA:
     """The student as LoRA adapters (peft) on the base."""
 
@@ -229,6 +253,10 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError(f"distil: {cfg.distil!r} is not one of {', '.join(DISTIL)}")
     if not 0 <= cfg.student_answers <= 10:
         raise ValueError(f"student_answers: {cfg.student_answers} is not between 0 and 10")
+    if not 0 <= cfg.retain_subspace < 1:
+        raise ValueError(f"retain_subspace: {cfg.retain_subspace} is not in [0, 1)")
+    if cfg.retain_subspace and cfg.full_layers is not None:
+        raise ValueError("retain_subspace: projects LoRA adapters' inputs; full_layers trains no adapter")
     if not 0 <= cfg.contexts <= MAX_PER_FORGET:
         raise ValueError(f"contexts: {cfg.contexts} is not between 0 and {MAX_PER_FORGET}")
     from peft import PeftModel
@@ -273,14 +301,19 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
             info.lora_layers = parse_layers(cfg.lora_layers, model.config.num_hidden_layers)
         except ValueError as e:
             raise ValueError(f"lora_{e}") from None
+    projections, subspace = {}, {}
     if cfg.full_layers is not None:
         info.mode = "full"
         info.full_layers = parse_layers(cfg.full_layers, model.config.num_hidden_layers)
         student = _FullLayers(model, cfg.target_modules, info.full_layers)
     else:
+        projections, subspace = _retain_subspace(model, tok, fx, rx, info, cfg.retain_subspace, device)
         student = _LoRA(model, info)
     peft_model = student.model
+    stack = ExitStack()
     try:
+        if projections:
+            stack.enter_context(projected(peft_model, projections))
         peft_model.train()
         opt = torch.optim.AdamW(student.params, lr=cfg.lr, weight_decay=0.0)
 
@@ -355,7 +388,10 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
             history.append((step + 1, full_forget_kl()))
         peft_model.eval()
         tensors = student.tensors()
+        if projections:
+            tensors = fold(tensors, projections)
     finally:
+        stack.close()
         student.restore()  # the model is the base again
     info.steps = step + 1
     info.metrics = {"seconds": round(time.perf_counter() - started, 2), "forget_kl_start": round(history[0][1], 4),
@@ -363,6 +399,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                     "forget_kl_history": [[s, round(v, 5)] for s, v in history],
                     "adapter_parameters": sum(v.numel() for v in tensors.values()),
                     "examples": {"forget": len(fx), "retain": len(rx)}}
+    if subspace:
+        info.metrics["retain_subspace"] = subspace
     if rounds:
         info.metrics["student_answers_stating_fact"] = {"questions": len(asked), "rounds": still_stated}
     return tensors, info

@@ -58,6 +58,7 @@ class RealBenchConfig:
     asu_lora_layers: str | None = None  # the layers ASU's LoRA adapts (None: all)
     asu_contexts: float = 0.0  # ASUConfig.contexts
     asu_student_answers: int = 0  # ASUConfig.student_answers
+    asu_retain_subspace: float = 0.0  # ASUConfig.retain_subspace
     # the "asu+head routed" variant: the adapter only where the head's probe gives P(forget | prompt) above this
     asu_adapter_above: float = 0.5
 
@@ -134,7 +135,8 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
             retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
             retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
-            contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers, format=cfg.fit.format),
+            contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
+            retain_subspace=cfg.asu_retain_subspace, format=cfg.fit.format),
             progress=False)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
         log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")

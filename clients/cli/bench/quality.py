@@ -62,6 +62,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--asu-student-answers", type=int, default=0, help="times during ASU's training the student "
                    "answers the forget questions and is distilled along the answers that still state the fact "
                    "(default 0)")
+    p.add_argument("--asu-retain-subspace", type=float, default=0.0, help="ASU's adapters read their inputs with "
+                   "the retain set's main directions (this share of their energy, e.g. 0.99) projected out "
+                   "(default 0: off)")
     p.add_argument("--asu-adapter-above", type=float, default=0.5, help="the 'asu+head routed' variant: the "
                    "adapter only where the head's probe gives P(forget | prompt) above this (default 0.5)")
     _add_engine_args(p)
@@ -138,6 +141,7 @@ def cmd_bench_real(args) -> int:
                           asu_own_answers=args.asu_own_answers, asu_retain_own_answers=args.asu_retain_own_answers,
                           asu_distil=args.asu_distil, asu_lora_layers=args.asu_lora_layers,
                           asu_contexts=args.asu_contexts, asu_student_answers=args.asu_student_answers,
+                          asu_retain_subspace=args.asu_retain_subspace,
                           asu_adapter_above=args.asu_adapter_above)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
