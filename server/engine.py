@@ -52,6 +52,7 @@ class Pending:
     sent: int = 0  # characters already passed to on_text
     sent_logprobs: int = 0  # log-probability entries already passed to on_text
     submitted: float = field(default_factory=time.perf_counter)  # for the time-to-first-token metric
+    repeat_guard: int = 0  # a row of ASU weights alone: its own repeat guard (heads.decoding.decode.Row)
 
 
 class Engine:
@@ -271,7 +272,7 @@ class Engine:
         adapters = [p.adapter or "__base__" for p in group] \
             if _is_peft(self.lm.model) or any(p.adapter for p in group) else None  # llama.cpp: where rows use one
         return Batch(self.decoder or self.lm.model, self.tokenizer, [p.prompt for p in group],
-                     [p.params for p in group], guide, adapters)
+                     [p.params for p in group], guide, adapters, [p.repeat_guard for p in group])
 
     def _first_tokens(self, active: list[Pending]) -> None:
         """Time to first token for the fresh rows that were just stepped (their first step chose their first

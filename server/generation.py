@@ -110,7 +110,8 @@ def _once(*releases: Callable[[], None] | None) -> Callable[[], None]:
 def submit(request: Request, prompt: str, params: SamplingParams, resolved: Resolved,
            on_text: Callable[[str, list | None], None] | None = None) -> Pending:
     """Queue the request; whatever it pinned at admission is released when it ends, however it ends."""
-    pending = Pending(prompt, params, resolved.row, resolved.adapter, resolved.tenant, on_text=on_text)
+    pending = Pending(prompt, params, resolved.row, resolved.adapter, resolved.tenant, on_text=on_text,
+                      repeat_guard=resolved.repeat_guard)
     pending.future.add_done_callback(lambda _: resolved.done())
     try:
         return request.app.state.engine.submit(pending)

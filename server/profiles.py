@@ -50,12 +50,17 @@ def load_stored(store: Store, table: str, item_id: str, param: str, kind: str, l
         raise StoredFileError(f"the stored file of {kind} {item_id} cannot be used: {public(e)}") from None
 
 
+# a profile of ASU weights alone: the repeat guard its rows get unless the profile names one (0: off)
+ASU_REPEAT_GUARD = 0
+
+
 @dataclass(frozen=True)
 class Resolved:
     name: str | None  # None for an inline profile or the base model
     version: int | None
     row: tuple[T3Head, TiltSettings] | None  # None: no T3 head
     adapter: str | None = None  # an attached ASU adapter's name; None: the base weights
+    repeat_guard: int = 0  # ASU weights alone (no head): the rows' own repeat guard (0: off)
     # gives back what the request holds (its adapter pin, its row in flight); called once (generation._once)
     release: Callable[[], None] | None = field(default=None, compare=False)
     tenant: str | None = field(default=None, compare=False)  # whose request (None: anonymous): fair admission
@@ -236,7 +241,12 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
         if not spec.get("head"):
             if spec.get("adapter_above"):
                 raise ProfileError(422, "adapter_above", "adapter_above needs a head: its probe decides")
-            return {"backend": "asu", "weights": spec["weights"]}
+            guard = spec.get("repeat_guard", ASU_REPEAT_GUARD)
+            try:
+                TiltSettings(repeat_guard=guard).replace()
+            except ValueError as e:
+                raise ProfileError(422, "repeat_guard", str(e)) from None
+            return {"backend": "asu", "weights": spec["weights"], "repeat_guard": guard}
         return {**complete_spec(cache, tenant_id, {**spec, "backend": "t3"}), "backend": "asu",
                 "weights": spec["weights"]}
     if backend != "t3":
@@ -283,4 +293,6 @@ def resolve(store: Store, cache: HeadCache, tenant_id: str | None, profile: str 
     if adapters is None:
         raise ProfileError(422, "backend", "ASU is not available on this server")
     adapter, release = adapters.acquire(tenant_id, spec["weights"])
-    return Resolved(name, version, row, adapter, release)
+    # ASU alone: its rows' own repeat guard (a spec stored before the field existed: none)
+    guard = spec.get("repeat_guard", 0) if row is None else 0
+    return Resolved(name, version, row, adapter, guard, release)

@@ -9,9 +9,11 @@ import httpx
 import pytest
 
 from lethe.heads.demo.corpus import split_by_author
-from lethe.heads.evaluation.metrics import rouge_l_recall
+from lethe.heads.evaluation.metrics import has_loop, rouge_l_recall
+from lethe.heads.evaluation.evaluate import words
 from lethe.heads.modelio import load_model
 from lethe.heads.records import question_prompt
+from lethe.server.profiles import ASU_REPEAT_GUARD
 from live_server import ADMIN_KEY, new_tenant, running_server
 
 
@@ -386,7 +388,19 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     teacher = info["metrics"]["teacher"]
     assert teacher["chosen"] == {"tau": info["tau"], "layers": "0-1"} and teacher["reason"]
     prof = a.put("/v1/profiles/asu", json={"backend": "asu", "weights": weights}).json()
-    assert prof["spec"] == {"backend": "asu", "weights": weights}
+    assert prof["spec"] == {"backend": "asu", "weights": weights, "repeat_guard": ASU_REPEAT_GUARD}
+    # ASU alone has no head to guard its rows: the profile's own repeat guard does
+    r = a.put("/v1/profiles/asu-bad", json={"backend": "asu", "weights": weights, "repeat_guard": 1})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "repeat_guard", r.text
+    for name, n in (("asu-free", 0), ("asu-guarded", 2)):
+        put = a.put(f"/v1/profiles/{name}", json={"backend": "asu", "weights": weights, "repeat_guard": n})
+        assert put.json()["spec"]["repeat_guard"] == n
+    long = {"prompt": "was born in was born in was born in", "max_tokens": 40, "temperature": 0, "min_tokens": 40}
+    texts = {name: a.post("/v1/completions", json=long | {"model": name}).json()["choices"][0]["text"]
+             for name in ("asu-free", "asu-guarded")}
+    assert has_loop(texts["asu-free"]) and not has_loop(texts["asu-guarded"]), texts  # "Kutaidre........"
+    ws = words(texts["asu-guarded"])
+    assert len(set(zip(ws, ws[1:]))) == len(ws) - 1, texts  # no word 2-gram twice
     both = a.put("/v1/profiles/asu-t3", json={"backend": "asu", "weights": weights, "head": tenant_a["head"]}).json()
     assert both["spec"]["head"] == tenant_a["head"] and both["spec"]["cap"] == 0.5
     rec = tenant_a["retain"][2]

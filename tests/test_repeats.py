@@ -113,3 +113,25 @@ def test_the_decode_loop_applies_the_guard_the_guide_asks_for(tiny_lm):
                 assert len(grams) == len(set(grams)), (n, ws)  # no word n-gram twice
                 assert len(c.token_ids) == 12
     assert words("The the") == ["the", "the"]  # the measure counts as the guard compares
+
+
+def test_rows_without_a_guide_keep_a_guard_of_their_own(tiny_lm):
+    """A profile of ASU weights alone has no head to ask for the guard: its rows carry their own (`guards`), and
+    rows with 0 decode as before."""
+    tok = tiny_lm.tokenizer
+    classes = word_classes(tok)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = ["Question: Where was she born?\nAnswer:", "Question: Who wrote it?\nAnswer:", "the the the"]
+    plain = generate(tiny_lm.model, tok, prompts, params)
+
+    def grams(c, n):
+        ws = classes.words(c.token_ids)
+        return [tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)]
+
+    assert all(len(set(grams(c, 3))) < len(grams(c, 3)) for c in plain)  # the model repeats itself unguarded
+    assert [c.token_ids for c in generate(tiny_lm.model, tok, prompts, params, guards=[0, 0, 0])] == \
+        [c.token_ids for c in plain]
+    mixed = generate(tiny_lm.model, tok, prompts, params, guards=[3, 0, 3])
+    assert mixed[1].token_ids == plain[1].token_ids
+    for c in (mixed[0], mixed[2]):
+        assert len(set(grams(c, 3))) == len(grams(c, 3)), classes.words(c.token_ids)

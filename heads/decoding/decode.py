@@ -190,6 +190,7 @@ class Row:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
     adapter: str | None = None  # the ASU adapter it decodes with (None: the base weights)
+    repeat_guard: int = 0  # a row without a head (ASU alone): its own repeat guard's n (0: off)
 
     def completion(self) -> Completion:
         asked = self.params.prompt_logprobs is not None
@@ -202,9 +203,10 @@ class Batch:
     """Requests that decode together. `step()` adds one token to every unfinished row."""
 
     def __init__(self, model, tokenizer, prompts: list[str | list[int]], params: list[SamplingParams],
-                 guide: Guide | None = None, adapters: list[str] | None = None):
+                 guide: Guide | None = None, adapters: list[str] | None = None, guards: list[int] | None = None):
         """`prompts`: text, or token ids fed exactly as given. `adapters`: per row, the name of the ASU adapter
-        to decode with (`__base__`: none)."""
+        to decode with (`__base__`: none). `guards`: per row, the n of a repeat guard of its own, for rows the
+        guide does not guard (a profile of ASU weights alone; 0: none)."""
         if len(prompts) != len(params) or not prompts:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
         self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
@@ -225,6 +227,8 @@ class Batch:
             self.adapters = adapters = self._routed(encoded, adapters)
         for row, name in zip(self.rows, adapters or []):
             row.adapter = None if name == "__base__" else name
+        for row, n in zip(self.rows, guards or []):
+            row.repeat_guard = n
         with torch.inference_mode(), self._adapters():
             self.runner = model.start_rows(encoded, scored, adapters) if llama else \
                 TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)
@@ -318,6 +322,8 @@ class Batch:
         base = logits[untilted] if untilted else None  # a copy: the guide may write into its buffers
         if self.guide is not None:
             logits = self._guided(logits)
+        elif any(r.repeat_guard for r in self.rows):  # rows of ASU weights alone with a guard of their own
+            logits = self._guard_repeats(logits.clone())
         logits = penalize(logits, [r.token_ids for r in self.rows], [r.params.presence_penalty for r in self.rows],
                           [r.params.frequency_penalty for r in self.rows])
         if self._min_tokens:
@@ -396,9 +402,11 @@ class Batch:
         return self._force_replies(self._guard_repeats(scores), pooled)
 
     def _guard_repeats(self, scores: torch.Tensor) -> torch.Tensor:
-        """Where the guide asks for it, no word that repeats a word n-gram of the row's answer (in place)."""
+        """Where the guide (or a row's own guard) asks for it, no word that repeats a word n-gram of the row's answer
+        (in place)."""
         guards = getattr(self.guide, "repeat_guards", None)
-        ns = guards() if guards is not None else []
+        ns = list(guards()) if guards is not None else []
+        ns = [(ns[i] if i < len(ns) else 0) or row.repeat_guard for i, row in enumerate(self.rows)]
         if any(ns):
             classes = word_classes(self.tokenizer)
             for i, n in enumerate(ns):
@@ -503,11 +511,12 @@ class Batch:
 
 
 def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list[SamplingParams],
-             guide: Guide | None = None, adapters: list[str] | None = None) -> list[Completion]:
+             guide: Guide | None = None, adapters: list[str] | None = None, guards: list[int] | None = None
+             ) -> list[Completion]:
     """Decode `prompts` together until every row stops."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    batch = Batch(model, tokenizer, prompts, params, guide, adapters)
+    batch = Batch(model, tokenizer, prompts, params, guide, adapters, guards)
     try:
         while not batch.done:
             batch.step()
@@ -517,10 +526,12 @@ def generate(model, tokenizer, prompts: list[str], params: SamplingParams | list
 
 
 def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParams, batch_size: int = 64,
-                     guide: Guide | None = None, before_chunk=None, adapter: str | None = None) -> list[Completion]:
+                     guide: Guide | None = None, before_chunk=None, adapter: str | None = None,
+                     repeat_guard: int = 0) -> list[Completion]:
     """`generate` over a long list of prompts, `batch_size` at a time (prompts of similar length together).
     `before_chunk()` runs before each chunk (a job's cancellation check: it may raise). `adapter`: the ASU
-    adapter every row decodes with (None: the model's own weights)."""
+    adapter every row decodes with (None: the model's own weights). `repeat_guard`: every row's own repeat
+    guard, where the guide does not guard it (0: none)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Completion | None] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
@@ -528,7 +539,7 @@ def generate_chunked(model, tokenizer, prompts: list[str], params: SamplingParam
             before_chunk()
         idx = order[start:start + batch_size]
         for i, c in zip(idx, generate(model, tokenizer, [prompts[i] for i in idx], params, guide,
-                                      [adapter] * len(idx) if adapter else None)):
+                                      [adapter] * len(idx) if adapter else None, [repeat_guard] * len(idx))):
             out[i] = c
     return out  # type: ignore[return-value]
 

@@ -59,6 +59,7 @@ class RealBenchConfig:
     asu_contexts: float = 0.0  # ASUConfig.contexts
     asu_student_answers: int = 0  # ASUConfig.student_answers
     asu_retain_subspace: float = 0.0  # ASUConfig.retain_subspace
+    asu_repeat_guard: int = 0  # > 0: also the variant "asu guarded", ASU alone with a repeat guard of this n
     # the "asu+head routed" variant: the adapter only where the head's probe gives P(forget | prompt) above this
     asu_adapter_above: float = 0.5
 
@@ -70,14 +71,15 @@ def fluency(answers: list[str], vocab) -> dict:
 
 
 def _generate(lm, prompts: list[str], params: SamplingParams, guide, batch_size: int, asu=None,
-              adapter: bool = False) -> list[str]:
+              adapter: bool = False, guard: int = 0) -> list[str]:
     """Answers, stripped. `asu`: the model with an ASU adapter attached, used with it on (`adapter`) or off; on
-    llama.cpp, the engine holding adapter `bench_asu`."""
+    llama.cpp, the engine holding adapter `bench_asu`. `guard`: the rows' own repeat guard (ASU alone)."""
     if asu is None:
         return [c.text.strip() for c in generate_chunked(lm.model, lm.tokenizer, prompts, params, batch_size, guide)]
     # rows name the adapter, or the base weights, as the server's do (`heads.asu.weights.adapters`)
     return [c.text.strip() for c in generate_chunked(asu, lm.tokenizer, prompts, params, batch_size, guide,
-                                                     adapter="bench_asu" if adapter else "__base__")]
+                                                     adapter="bench_asu" if adapter else "__base__",
+                                                     repeat_guard=guard)]
 
 
 def _score(row: dict, name: str, recs: list[dict], base: list[str], tilted: list[str], vocab) -> None:
@@ -147,17 +149,19 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             asu = decoder
         else:
             asu = attach(lm.model, "bench_asu", tensors, asu_info)
-    # each variant: (guide, whether the ASU adapter is on, its abstention reply)
+    # each variant: (guide, whether the ASU adapter is on, its abstention reply, the rows' own repeat guard)
     chosen = {"head": settings} | {name: TiltSettings.from_dict({**info.profile, **over})
                                    for name, over in cfg.variants.items()}
     # a variant that routes (adapter_above > 0) decodes with the ASU adapter where it routes to it
-    variants = {name: (HeadGuide.uniform(head, s), asu is not None and s.adapter_above > 0, s.abstain)
+    variants = {name: (HeadGuide.uniform(head, s), asu is not None and s.adapter_above > 0, s.abstain, 0)
                 for name, s in chosen.items()}
     if asu is not None:
         routed = settings.replace(adapter_above=cfg.asu_adapter_above)
-        variants |= {"asu": (None, True, settings.abstain),
-                     "asu+head": (variants["head"][0], True, settings.abstain),
-                     "asu+head routed": (HeadGuide.uniform(head, routed), True, settings.abstain)}
+        variants |= {"asu": (None, True, settings.abstain, 0),
+                     "asu+head": (variants["head"][0], True, settings.abstain, 0),
+                     "asu+head routed": (HeadGuide.uniform(head, routed), True, settings.abstain, 0)}
+        if cfg.asu_repeat_guard:
+            variants["asu guarded"] = (None, True, settings.abstain, cfg.asu_repeat_guard)
 
     # 3. the canonical and the held-out question of every known item
     def eval_set(kinds) -> list[dict]:
@@ -193,10 +197,10 @@ def _decode_and_score(lm, label, params, sets, variants, asu, cfg, fmt, vocab, r
     """One decoding (greedy, or sampled with one seed): base answers once, then each variant's; a row each."""
     prompts = {name: [ask(r["question"], fmt, lm.tokenizer) for r in recs] for name, recs in sets.items()}
     base = {name: _generate(lm, prompts[name], params, None, cfg.batch_size, asu) for name in sets}
-    for variant, (guide, adapter, reply) in variants.items():
+    for variant, (guide, adapter, reply, guard) in variants.items():
         row = {"decoding": label} | ({"variant": variant} if len(variants) > 1 else {})
         for name, recs in sets.items():
-            tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size, asu, adapter)
+            tilted = _generate(lm, prompts[name], params, guide, cfg.batch_size, asu, adapter, guard)
             _score(row, name, recs, base[name], tilted, vocab)
             if reply is not None:  # how often it abstained (on retain: false refusals)
                 row[f"{name}_abstained"] = round(statistics.fmean(t == reply.strip() for t in tilted), 4)
