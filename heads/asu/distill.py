@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_attention
 from lethe.heads.asu.subspace import complement, fold, input_covariances, kept_share, projected
 from lethe.heads.asu.teacher import names_fact, stating_fact
-from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, lora_config
+from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, expected_tensors, lora_config, projection_shapes
 from lethe.heads.records import Example, encode_example, examples, resolve_format
 from lethe.heads.t3.contexts import MAX_PER_FORGET, context_counts, context_examples, draw_contexts
 
@@ -170,11 +170,14 @@ def _retain_subspace(model, tok, fx: list[Example], rx: list[Example], info: ASU
     """({adapted projection: P}, what the projections keep) for `ASUConfig.retain_subspace` (empty when 0)."""
     if not energy:
         return {}, {}
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-             and n.rsplit(".", 1)[-1] in info.target_modules and (k := _LAYER.search(n))
-             and (not info.lora_layers or int(k.group(1)) in info.lora_layers)]
-    retain = input_covariances(model, tok, rx, device, names)
-    forget = input_covariances(model, tok, fx, device, names)
+    names = [k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+             for k in expected_tensors(info, projection_shapes(model)) if k.endswith(".lora_A.weight")]
+
+    def batches(exs: list[Example]):
+        return (_batch(tok, exs[i:i + 16], device)[:2] for i in range(0, len(exs), 16))
+
+    retain = input_covariances(model, batches(rx), names)
+    forget = input_covariances(model, batches(fx), names)
     projections, directions = {}, []
     for n in names:
         projections[n], k = complement(retain[n], energy)

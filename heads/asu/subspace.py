@@ -12,17 +12,16 @@ are those of any LoRA adapter.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
 
-from lethe.heads.records import Example, encode_example
 
-
-def input_covariances(model, tok, exs: list[Example], device, names: list[str], batch: int = 16
+def input_covariances(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], names: list[str]
                       ) -> dict[str, torch.Tensor]:
-    """{module name: sum of x x^T (float64) over every real token of `exs`} of the inputs of `model`'s Linear
-    modules `names`."""
+    """{module name: sum of x x^T (float64) over every real token} of the inputs of `model`'s Linear modules
+    `names`, along `batches` of (token ids, attention mask)."""
     modules = {n: model.get_submodule(n) for n in names}
     sums = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in modules.items()}
     keep: list[torch.Tensor] = []  # the current batch's mask, flattened
@@ -36,15 +35,9 @@ def input_covariances(model, tok, exs: list[Example], device, names: list[str], 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
     try:
         with torch.no_grad():
-            for i in range(0, len(exs), batch):
-                enc = [encode_example(tok, e)[0] for e in exs[i:i + batch]]
-                width = max(map(len, enc))
-                ids = torch.full((len(enc), width), tok.pad_token_id or 0)
-                mask = torch.zeros((len(enc), width), dtype=torch.long)
-                for r, seq in enumerate(enc):
-                    ids[r, :len(seq)], mask[r, :len(seq)] = torch.tensor(seq), 1
-                keep[:] = [mask.reshape(-1).bool().to(device)]
-                model(input_ids=ids.to(device), attention_mask=mask.to(device))
+            for ids, mask in batches:
+                keep[:] = [mask.reshape(-1).bool()]
+                model(input_ids=ids, attention_mask=mask)
     finally:
         for h in handles:
             h.remove()
