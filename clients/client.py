@@ -414,7 +414,7 @@ class Lethe:
 
     def train_asu(self, forget: str, retain: str, **options: Any) -> JobOut:
         """Start an ASU job (options: tau, layers, lora_rank, full_layers, lora_layers, own_answers,
-        retain_own_answers, distil, contexts, student_answers, retain_subspace, retain_loss, retain_weight, lr,
+        retain_own_answers, distil, contexts, student_answers, retain_subspace, gate, retain_loss, retain_weight, lr,
         steps, seed, format)."""
         return self._send(_r.train_asu(forget, retain, options))
 

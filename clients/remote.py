@@ -84,7 +84,8 @@ def heads_train(client: Lethe, args):
 def asu_train(client: Lethe, args):
     options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "full_layers", "lora_layers",
                                               "own_answers", "retain_own_answers", "distil", "contexts",
-                                              "student_answers", "retain_subspace", "retain_loss", "retain_weight",
+                                              "student_answers", "retain_subspace", "gate", "retain_loss",
+                                              "retain_weight",
                                               "lr", "steps", "seed", "format")}
     job = client.train_asu(*_dataset_ids(client, args),
                            **{k: v for k, v in options.items() if v is not None})

@@ -130,6 +130,9 @@ class Engine:
             model = copy.deepcopy(self.lm.model)
             if _is_peft(model):
                 model = model.unload()
+            from lethe.heads.asu.gate import strip
+
+            strip(model)  # the copy carries the served model's gate hooks, bound to its state
             with self.tokenizer_lock:
                 tokenizer = copy.deepcopy(self.lm.tokenizer)
             return replace(self.lm, model=model, tokenizer=tokenizer)

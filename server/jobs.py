@@ -372,7 +372,7 @@ class JobRunner:
         cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "lora_layers",
                                                    "retain_loss", "retain_weight", "lr", "steps", "seed", "format",
                                                    "own_answers", "retain_own_answers", "distil", "contexts",
-                                                   "student_answers", "retain_subspace")
+                                                   "student_answers", "retain_subspace", "gate")
                            if params.get(k) is not None})
         teacher = None
         if params.get("tau") is None:

@@ -203,6 +203,10 @@ class ASUJobRequest(Strict):
         "The adapters read their inputs with the retain set's main directions projected out: the share of the "
         "retain inputs' energy those directions hold, per adapted projection (0.99); 0 (the default): off. Not "
         "with `full_layers`."))
+    gate: bool = Field(False, description=(
+        "Train a gate with the adapters: a linear probe on the state entering the first of `lora_layers` (which it "
+        "needs), so the adapter acts only at the tokens it calls forget-like and every other token decodes on the "
+        "base weights. Served on the torch engine only."))
     retain_loss: Literal["gd", "kl"] = "gd"
     retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)
@@ -236,6 +240,7 @@ class ASUOut(BaseModel):
     lora_rank: int
     lora_layers: list[int] = Field(default_factory=list, description="The layers the LoRA adapters are in (empty: "
                                                                       "every layer).")
+    gate: dict = Field(default_factory=dict, description="The adapter's gate (`layer`, `threshold`); empty: none.")
     steps: int
     metrics: dict
     sha256: str | None = Field(None, description="sha256 of the weights file (the same content is stored once).")

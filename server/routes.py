@@ -202,6 +202,8 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
     if body.lora_layers is not None and body.full_layers is not None:
         raise field_error("lora_layers", "lora_layers places LoRA adapters; full_layers trains projections in full "
                                          "instead: give one of them")
+    if body.gate and body.lora_layers is None:
+        raise field_error("gate", "needs lora_layers (the gate reads the state entering the first adapted layer)")
     if body.retain_subspace and body.full_layers is not None:
         raise field_error("retain_subspace", "projects LoRA adapters' inputs; full_layers trains no adapter")
     if body.retain_own_answers and body.retain_loss != "kl":
@@ -244,7 +246,7 @@ def _asu_out(w: dict) -> ASUOut:
     info = json.loads(w["info"])
     return ASUOut(id=w["id"], job=w["job_id"], bytes=w["bytes"], created=w["created"], tau=info["tau"],
                   layers=info["layers"], lora_rank=info["lora_rank"], lora_layers=info.get("lora_layers", []),
-                  steps=info["steps"], metrics=info["metrics"],
+                  gate=info.get("gate", {}), steps=info["steps"], metrics=info["metrics"],
                   sha256=w.get("sha256"))
 
 

@@ -445,20 +445,23 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     unnamed = a.post("/v1/datasets?name=unnamed", content=_jsonl([{k: v for k, v in r.items() if k != "fact"}
                                                                   for r in tenant_a["forget"]])).json()["id"]
     tuned = {"forget": forget_id, "retain": retain_id, "steps": 5, "tau": 4, "lora_layers": "1", "own_answers": True,
-             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact", "contexts": 1, "retain_subspace": 0.99}
+             "retain_loss": "kl", "retain_own_answers": True, "distil": "fact", "contexts": 1, "retain_subspace": 0.99,
+             "gate": True}
     for wrong, field in (({"lora_layers": "5"}, "lora_layers"), ({"full_layers": "1"}, "lora_layers"),
                          ({"retain_loss": "gd"}, "retain_own_answers"), ({"distil": "word"}, "distil"),
                          ({"contexts": 5}, "contexts"), ({"student_answers": -1}, "student_answers"),
                          ({"student_answers": 1, "forget": unnamed}, "student_answers"),
                          ({"retain_subspace": 1.0}, "retain_subspace"),
-                         ({"lora_layers": None, "full_layers": "1"}, "retain_subspace")):
+                         ({"lora_layers": None, "full_layers": "1", "gate": False}, "retain_subspace"),
+                         ({"lora_layers": None}, "gate")):
         refused = a.post("/v1/asu", json=tuned | wrong)
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field, refused.text
     tuned = _wait_job(a, a.post("/v1/asu", json=tuned).json()["id"])
     state = _wait_job(a, full.json()["id"])
     assert state["status"] == tuned["status"] == "succeeded", (state, tuned)
     made = a.get(f"/v1/asu/{tuned['weights']}").json()
-    assert made["lora_layers"] == [1]
+    assert made["lora_layers"] == [1] and made["gate"] == {"layer": 1, "threshold": 0.5}
+    assert made["metrics"]["gate"]["positions"]["forget"] > 0
     assert made["metrics"]["retain_subspace"]["retain_energy_kept"] <= 0.01 + 1e-6  # the adapters' inputs projected
     # distilled after contexts too: each forget record kept by own_answers twice, and twice as many retain records
     # after one
@@ -466,9 +469,13 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     assert 0 < kept <= len(tenant_a["forget"])
     assert made["metrics"]["examples"] == {"forget": 2 * kept, "retain": len(tenant_a["retain"]) + 2 * kept}
     a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
-    with ThreadPoolExecutor(3) as pool:  # rows of a LoRA adapter, a full-layer adapter and the base in one batch
-        outs = list(pool.map(lambda p: _ask(a, [rec], p)[0], ["asu", "full", None]))
-    assert [o["profile"]["name"] for o in outs] == ["asu", "full", "base"] and outs[2]["text"] == base_answer
+    a.put("/v1/profiles/gated", json={"backend": "asu", "weights": tuned["weights"]})
+    alone = _ask(a, [rec], "gated")[0]["text"]
+    # rows of a LoRA adapter, a full-layer adapter, a gated adapter and the base in one batch
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: _ask(a, [rec], p)[0], ["asu", "full", "gated", None]))
+    assert [o["profile"]["name"] for o in outs] == ["asu", "full", "gated", "base"] and outs[3]["text"] == base_answer
+    assert outs[2]["text"] == alone
 
 
 def test_jobs_and_adapter_changes_while_serving_fail_no_request(tiny_model_dir, tiny_records, tmp_path):

@@ -356,3 +356,131 @@ def test_retain_subspace_adapters_read_inputs_without_the_retain_sets_main_direc
         train_asu(lm, forget, retain, ASUConfig(steps=1, retain_subspace=1.0), progress=False)
     with pytest.raises(ValueError, match="retain_subspace"):
         train_asu(lm, forget, retain, ASUConfig(steps=1, retain_subspace=0.9, full_layers="0"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def gated(tiny_model_dir, tiny_records):
+    lm = load_model(tiny_model_dir)
+    forget, retain = split_by_author(tiny_records, 1)
+    tensors, info = train_asu(lm, forget, retain, ASUConfig(tau=16.0, steps=20, check_every=10, lora_layers="1",
+                                                            gate=True, gate_samples=1), progress=False)
+    return lm, tensors, info
+
+
+def _gate_hooks(model) -> list[str]:
+    """The gate hooks (heads.asu.gate.install's) on the model's modules."""
+    return [getattr(fn, "__qualname__", "") for m in model.modules()
+            for fn in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+            if getattr(fn, "__qualname__", "").startswith("install.")]
+
+
+def _gate_set(tensors, bias: float):
+    """The adapter with a gate that never (bias -30) or always (+30) fires."""
+    from lethe.heads.asu.gate import BIAS, WEIGHT
+
+    return tensors | {WEIGHT: torch.zeros_like(tensors[WEIGHT]), BIAS: torch.full((1,), bias)}
+
+
+def test_a_gated_adapter_is_trained_saved_and_checked(gated, tmp_path):
+    from dataclasses import replace
+
+    lm, tensors, info = gated
+    assert info.gate == {"layer": 1, "threshold": 0.5}
+    assert tensors["lethe_gate.weight"].shape == (lm.model.config.hidden_size,)
+    assert tensors["lethe_gate.bias"].shape == (1,)
+    metrics = info.metrics["gate"]
+    # the probe tells the forget answers' positions from the retain answers' on what it was trained on
+    assert metrics["on_forget"] >= 0.8 and metrics["on_retain"] <= 0.2, metrics
+    assert metrics["positions"]["forget"] > 0 and metrics["positions"]["retain"] > 0
+    save_asu(tmp_path / "g.safetensors", tensors, info)
+    loaded, info2 = load_asu(tmp_path / "g.safetensors", lm.fingerprint)
+    assert info2.gate == info.gate and loaded.keys() == tensors.keys()
+    base = lm.model
+    for bad, match in [(replace(info, gate={"layer": 1}), "exactly layer and threshold"),
+                       (replace(info, gate={"layer": 1, "threshold": 1.5}), "threshold"),
+                       (replace(info, gate={"layer": 2, "threshold": 0.5}), "layer must be"),
+                       (replace(info, gate={"layer": True, "threshold": 0.5}), "layer must be"),
+                       (replace(info, lora_layers=[]), "needs a LoRA file with lora_layers")]:
+        with pytest.raises(HeadFileError, match=match):
+            attach(base, "bad", tensors, bad)
+    with pytest.raises(HeadFileError, match="missing"):
+        attach(base, "bad", {k: v for k, v in tensors.items() if k != "lethe_gate.bias"}, info)
+    with pytest.raises(HeadFileError, match="shape"):
+        attach(base, "bad", tensors | {"lethe_gate.weight": torch.zeros(3)}, info)
+    with pytest.raises(HeadFileError, match="fit no module"):  # an ungated file may not carry a gate's tensors
+        attach(base, "bad", tensors, replace(info, gate={}))
+    assert not any("lora_" in n for n, _ in base.named_parameters()), "a refused file never touches the model"
+    from lethe.heads.asu.gguf import add_to_llama_cpp
+
+    with pytest.raises(HeadFileError, match="gated"):
+        add_to_llama_cpp(None, "g", tensors, info, lm.model.config)
+    forget, retain = [{"text": "a"}], [{"text": "b"}]
+    with pytest.raises(ValueError, match="gate: needs lora_layers"):
+        train_asu(lm, forget, retain, ASUConfig(steps=1, gate=True), progress=False)
+
+
+@pytest.mark.parametrize("merged", ["1", "0"])
+def test_a_gate_off_leaves_the_base_and_a_gate_on_is_the_adapter_in_any_batch(gated, tiny_records, monkeypatch,
+                                                                              merged):
+    """Tokens the gate leaves off decode on the base weights exactly; tokens it lets through decode as the
+    ungated adapter does; in a batch of one adapter (never merged) and in a mixed batch alike."""
+    monkeypatch.setenv("LETHE_ASU_MERGED", merged)
+    lm, tensors, info = gated
+    from dataclasses import replace
+
+    forget, retain = split_by_author(tiny_records, 1)
+    prompts = [question_prompt(r["question"]) for r in forget[:2] + retain[:2]]
+    plain = generate(lm.model, lm.tokenizer, prompts, GREEDY)
+    lora = {k: v for k, v in tensors.items() if not k.startswith("lethe_gate.")}
+    q = lm.model.model.layers[1].self_attn.q_proj.weight.data_ptr()
+    model = attach(lm.model, "never", _gate_set(tensors, -30.0), info)
+    model = attach(model, "always", _gate_set(tensors, 30.0), info)
+    model = attach(model, "ungated", lora, replace(info, gate={}))
+    model = attach(model, "trained", tensors, info)
+    try:
+        ungated = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["ungated"] * 4)
+        assert [c.text for c in ungated] != [c.text for c in plain], "the adapter changes answers"
+        never = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["never"] * 4)
+        assert [c.token_ids for c in never] == [c.token_ids for c in plain]
+        always = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["always"] * 4)
+        assert [c.token_ids for c in always] == [c.token_ids for c in ungated]
+        layer = model.base_model.model.model.layers[1].self_attn.q_proj
+        assert layer.base_layer.weight.data_ptr() == q, "a gated adapter is never merged into the weights"
+        names = ["always", "never", "__base__", "trained"]
+        together = generate(model, lm.tokenizer, prompts, GREEDY, adapters=names)
+        for prompt, name, got in zip(prompts, names, together):
+            assert got.token_ids == generate(model, lm.tokenizer, [prompt], GREEDY, adapters=[name])[0].token_ids
+        assert together[0].token_ids == ungated[0].token_ids and together[1].token_ids == plain[1].token_ids
+        from lethe.heads.asu.weights import detach
+
+        detach(model, "trained")
+        after = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["always", "never", "__base__", "ungated"])
+        assert [c.token_ids for c in after] == [ungated[0].token_ids] + [c.token_ids for c in plain[1:3]] + \
+            [ungated[3].token_ids]
+    finally:
+        base = unload(model)
+    assert not _gate_hooks(base), "unloading takes every gate hook out"
+    assert [c.token_ids for c in generate(base, lm.tokenizer, prompts, GREEDY)] == [c.token_ids for c in plain]
+
+
+def test_a_jobs_copy_of_a_model_serving_a_gated_adapter_has_no_gate_of_it(gated, tiny_model_dir, tiny_records):
+    """A deep copy carries a module's hooks; the copy a job trains on is the base model, with no hook of a
+    tenant's gate left in it."""
+    from lethe.server.engine import Engine, Pending
+
+    _, tensors, info = gated
+    lm = load_model(tiny_model_dir)
+    forget, _ = split_by_author(tiny_records, 1)
+    prompt = question_prompt(forget[0]["question"])
+    plain = generate(lm.model, lm.tokenizer, [prompt], GREEDY)[0]
+    engine = Engine(lm, max_batch_size=4)
+    try:
+        engine.control(lambda: engine.replace_model(attach(engine.lm.model, "g", _gate_set(tensors, 30.0), info))
+                       ).result(60)
+        served = engine.submit(Pending(prompt, GREEDY, adapter="g")).future.result(60)
+        copy = engine.private_copy()
+        assert _gate_hooks(engine.lm.model) and not _gate_hooks(copy.model)
+        assert generate(copy.model, copy.tokenizer, [prompt], GREEDY)[0].token_ids == plain.token_ids
+        assert engine.submit(Pending(prompt, GREEDY, adapter="g")).future.result(60).token_ids == served.token_ids
+    finally:
+        engine.close()

@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retain-subspace", type=float, default=None,
                    help="the adapters read their inputs with the retain set's main directions projected out: the "
                         "share of the retain inputs' energy they hold, e.g. 0.99 (default 0: off)")
+    p.add_argument("--gate", action="store_true", default=None,
+                   help="train a gate with the adapters (needs --lora-layers): the adapter acts only at the tokens "
+                        "it calls forget-like; the torch engine serves it, llama.cpp refuses it")
     p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
     p.add_argument("--retain-weight", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -91,7 +94,7 @@ def cmd_asu_train(args) -> int:
                     retain_own_answers=bool(args.retain_own_answers), distil=args.distil or "answer",
                     contexts=args.contexts or 0.0,
                     student_answers=args.student_answers or 0, retain_subspace=args.retain_subspace or 0.0,
-                    retain_loss=args.retain_loss,
+                    gate=bool(args.gate), retain_loss=args.retain_loss,
                     retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
     teacher = None
     if args.tau is None:

@@ -71,6 +71,12 @@ class ASUConfig:
     # the adapters read their inputs with the retain set's main directions projected out (heads.asu.subspace): the
     # share of the retain inputs' energy those directions hold (0.99), per adapted projection; 0: off
     retain_subspace: float = 0.0
+    # a gate (heads.asu.gate) on the state entering the first of `lora_layers`, trained after the adapters on the
+    # forget against the retain answers (the sets', the model's greedy one and `gate_samples` sampled ones per
+    # question): the adapter acts only at the tokens it calls forget-like; needs lora_layers
+    gate: bool = False
+    gate_threshold: float = 0.5
+    gate_samples: int = 2
 
 
 def _batch(tokenizer, exs: list[Example], device):
@@ -260,6 +266,12 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         raise ValueError(f"retain_subspace: {cfg.retain_subspace} is not in [0, 1)")
     if cfg.retain_subspace and cfg.full_layers is not None:
         raise ValueError("retain_subspace: projects LoRA adapters' inputs; full_layers trains no adapter")
+    if cfg.gate and (cfg.lora_layers is None or cfg.full_layers is not None):
+        raise ValueError("gate: needs lora_layers (the gate reads the state entering the first adapted layer)")
+    if not 0 < cfg.gate_threshold < 1:
+        raise ValueError(f"gate_threshold: {cfg.gate_threshold} is not in (0, 1)")
+    if not 0 <= cfg.gate_samples <= 8:
+        raise ValueError(f"gate_samples: {cfg.gate_samples} is not between 0 and 8")
     if not 0 <= cfg.contexts <= MAX_PER_FORGET:
         raise ValueError(f"contexts: {cfg.contexts} is not between 0 and {MAX_PER_FORGET}")
     from peft import PeftModel
@@ -270,6 +282,7 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     rng = random.Random(cfg.seed)
     started = time.perf_counter()
     model, tok, device = lm.model, lm.tokenizer, lm.device
+    asked_forget, asked_retain = forget, retain  # the sets as given: what the gate learns from
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
     use_tempered_attention(model)
     fmt = resolve_format(tok, cfg.format)
@@ -396,6 +409,16 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     finally:
         stack.close()
         student.restore()  # the model is the base again
+    gate_metrics = None
+    if cfg.gate:
+        from lethe.heads.asu.gate import layer_of, train_gate
+
+        gate_started = time.perf_counter()
+        gate_tensors, gate_metrics = train_gate(lm, asked_forget, asked_retain, layer_of(info.lora_layers), fmt,
+                                                cfg.gate_threshold, cfg.gate_samples, cfg.seed)
+        tensors |= gate_tensors
+        info.gate = {"layer": gate_metrics["layer"], "threshold": cfg.gate_threshold}
+        gate_metrics["seconds"] = round(time.perf_counter() - gate_started, 2)
     info.steps = step + 1
     info.metrics = {"seconds": round(time.perf_counter() - started, 2), "forget_kl_start": round(history[0][1], 4),
                     "forget_kl_end": round(history[-1][1], 4),
@@ -404,6 +427,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                     "examples": {"forget": len(fx), "retain": len(rx)}}
     if subspace:
         info.metrics["retain_subspace"] = subspace
+    if gate_metrics:
+        info.metrics["gate"] = gate_metrics
     if rounds:
         info.metrics["student_answers_stating_fact"] = {"questions": len(asked), "rounds": still_stated}
     return tensors, info

@@ -93,5 +93,10 @@ def add_to_llama_cpp(decoder, name: str, tensors: dict[str, torch.Tensor], info,
     file in a temporary folder that is gone when this returns (llama.cpp keeps the tensors)."""
     import tempfile
 
+    if getattr(info, "gate", None):
+        from lethe.heads.t3.head import HeadFileError
+
+        raise HeadFileError(f"adapter {name}: a gated ASU adapter acts token by token, which llama.cpp's LoRA "
+                            "cannot do: serve it on the torch engine")
     with tempfile.TemporaryDirectory(prefix="lethe-asu-") as tmp:
         decoder.add_adapter(name, write_lora_gguf(Path(tmp) / "adapter.gguf", tensors, info, config))

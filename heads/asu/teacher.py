@@ -119,6 +119,17 @@ def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) 
     return [c.text.strip() for c in said]
 
 
+def sampled_answers(lm, records: list[dict], fmt: str, seed: int, max_new_tokens: int = 48) -> list[str]:
+    """One answer per record's question sampled from the model (T=1, top-p 0.95, `seed`), stripped."""
+    from lethe.heads.decoding.decode import generate_chunked
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.records import ask
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=0.95, seed=seed)
+    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in records], params)
+    return [c.text.strip() for c in said]
+
+
 def names_fact(record: dict) -> bool:
     """Whether a record names its `fact` (a non-blank string), which answers can be searched for."""
     return isinstance(record.get("fact"), str) and bool(record["fact"].strip())

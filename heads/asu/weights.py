@@ -7,6 +7,7 @@ touched. Adapters are added to the served model in place (`attach`, all or nothi
 shared, never copied; rows of one batch may use different adapters (peft's `adapter_names`). A batch whose rows
 all use one adapter decodes on the base weights with that adapter merged in (a copy of the adapted projections,
 kept for the last `LETHE_ASU_MERGED` adapters, default 1; 0: peft's plain path), so it costs what the base costs.
+An adapter with a gate (heads.asu.gate) acts token by token through hooks, so it is never merged.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ASUInfo:
     mode: str = "lora"  # lora | full (the changed projection weights, as deltas)
     full_layers: list[int] = field(default_factory=list)
     lora_layers: list[int] = field(default_factory=list)  # the layers LoRA adapts; empty: every layer
+    gate: dict = field(default_factory=dict)  # {"layer", "threshold"} of its gate (heads.asu.gate); empty: none
     steps: int = 0
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
@@ -97,6 +99,11 @@ def expected_tensors(info: ASUInfo, shapes: dict[str, tuple[int, int]]) -> dict[
         elif not info.lora_layers or layer(name) in info.lora_layers:
             out[f"base_model.model.{name}.lora_A.weight"] = (info.lora_rank, n_in)
             out[f"base_model.model.{name}.lora_B.weight"] = (n_out, info.lora_rank)
+    if info.gate:
+        from lethe.heads.asu.gate import BIAS, WEIGHT
+
+        hidden = next(n_in for name, (_, n_in) in shapes.items() if name.endswith("q_proj"))
+        out |= {WEIGHT: (hidden,), BIAS: (1,)}
     return out
 
 
@@ -127,6 +134,8 @@ def check_asu(path, tensors: dict[str, torch.Tensor], info: ASUInfo, shapes: dic
             raise HeadFileError(f"{path}: metadata {name}: layers {bad[:3]} do not exist (the model has {n_layers})")
     if info.mode == "full" and not info.full_layers:
         raise HeadFileError(f"{path}: metadata full_layers: a full-layer file names its layers")
+    if info.gate:
+        _check_gate(path, info)
     expected = expected_tensors(info, shapes)
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
@@ -140,6 +149,20 @@ def check_asu(path, tensors: dict[str, torch.Tensor], info: ASUInfo, shapes: dic
             raise HeadFileError(f"{path}: {name} has shape {tuple(t.shape)}, this model needs {shape}")
         if t.numel() and float(t.abs().max()) > MAX_MAGNITUDE:
             raise HeadFileError(f"{path}: {name} holds values beyond {MAX_MAGNITUDE:g} in magnitude")
+
+
+def _check_gate(path, info: ASUInfo) -> None:
+    gate = info.gate
+    if not isinstance(gate, dict) or set(gate) != {"layer", "threshold"}:
+        raise HeadFileError(f"{path}: metadata gate: must hold exactly layer and threshold")
+    layer, threshold = gate["layer"], gate["threshold"]
+    if info.mode != "lora" or not info.lora_layers:
+        raise HeadFileError(f"{path}: metadata gate: needs a LoRA file with lora_layers")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer <= min(info.lora_layers):
+        raise HeadFileError(f"{path}: metadata gate: layer must be an integer in [0, {min(info.lora_layers)}] (no "
+                            f"adapter below it), got {layer!r}")
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < 1:
+        raise HeadFileError(f"{path}: metadata gate: threshold must be in (0, 1), got {threshold!r}")
 
 
 def load_asu(path: Path, base_fingerprint: str | None = None, shapes: dict[str, tuple[int, int]] | None = None,
@@ -184,6 +207,14 @@ def attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
                     setattr(parent, module_name.rsplit(".", 1)[-1], module.get_base_layer())
             vars(model).pop("peft_config", None)
         raise
+    if info.gate:
+        from lethe.heads.asu.gate import install
+
+        try:
+            install(model, name, tensors, info.gate)
+        except BaseException:
+            detach(model, name)
+            raise
     model._lethe_state = None  # adding may change the active adapter: `adapters` sets its state again
     return model
 
@@ -200,7 +231,8 @@ def _attach(model, name: str, tensors: dict[str, torch.Tensor], info: ASUInfo):
         _load_full_rank(model, name, tensors)
         model.eval()
         return model
-    result = set_peft_model_state_dict(model, tensors, adapter_name=name)
+    lora = {k: v for k, v in tensors.items() if not k.startswith("lethe_gate.")}
+    result = set_peft_model_state_dict(model, lora, adapter_name=name)
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
         raise HeadFileError(f"adapter {name}: tensors that fit no module of this model: {missing[:3]}")
@@ -236,6 +268,9 @@ def detach(model, name: str) -> None:
     from peft import PeftModel
 
     if isinstance(model, PeftModel) and name in model.peft_config:
+        from lethe.heads.asu.gate import remove
+
+        remove(model, name)
         restore_base(model)
         _MERGED.get(model, {}).pop(name, None)
         model.delete_adapter(name)
@@ -255,11 +290,17 @@ def adapters(model, names: list[str] | None):
     if names is None or not isinstance(model, PeftModel):
         yield
         return
+    from lethe.heads.asu.gate import set_rows
+
     distinct = set(names)
     if len(distinct) > 1:
         _use(model, MIXED)
-        with model.base_model._enable_peft_forward_hooks(adapter_names=names):
-            yield
+        set_rows(model, names)  # a gated adapter's hooks see its own rows alone
+        try:
+            with model.base_model._enable_peft_forward_hooks(adapter_names=names):
+                yield
+        finally:
+            set_rows(model, None)
         return
     _use(model, distinct.pop())
     yield
@@ -274,7 +315,10 @@ def _use(model, state: str) -> None:
     if getattr(model, "_lethe_state", None) == state:
         return
     base = model.base_model
-    merge = state not in ("__base__", MIXED) and _keep() > 0
+    from lethe.heads.asu.gate import gated
+
+    # a gated adapter acts token by token: its weights are never merged
+    merge = state not in ("__base__", MIXED) and _keep() > 0 and not gated(model, state)
     _set_weights(model, _merged(model, state) if merge else {})
     if state == "__base__" or merge:
         base.disable_adapter_layers()
@@ -329,8 +373,12 @@ def _set_weights(model, weights: dict) -> None:
 
 
 def unload(model):
-    """The base model out of a peft model, on its own weights: peft's `unload` would keep a merged adapter's."""
+    """The base model out of a peft model, on its own weights: peft's `unload` would keep a merged adapter's; no
+    gate hook stays behind."""
+    from lethe.heads.asu.gate import strip
+
     restore_base(model)
+    strip(model)
     return model.unload()
 
 

@@ -59,6 +59,7 @@ class RealBenchConfig:
     asu_contexts: float = 0.0  # ASUConfig.contexts
     asu_student_answers: int = 0  # ASUConfig.student_answers
     asu_retain_subspace: float = 0.0  # ASUConfig.retain_subspace
+    asu_gate: bool = False  # ASUConfig.gate
     asu_repeat_guard: int = 0  # > 0: also the variant "asu guarded", ASU alone with a repeat guard of this n
     # the "asu+head routed" variant: the adapter only where the head's probe gives P(forget | prompt) above this
     asu_adapter_above: float = 0.5
@@ -138,10 +139,11 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
             retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
             retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
             contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
-            retain_subspace=cfg.asu_retain_subspace, format=cfg.fit.format),
+            retain_subspace=cfg.asu_retain_subspace, gate=cfg.asu_gate, format=cfg.fit.format),
             progress=False)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
-        log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s")
+        log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s"
+            + (f"; gate {asu_info.metrics['gate']}" if asu_info.gate else ""))
         if decoder is not None:  # llama.cpp: a LoRA adapter its rows name (`_generate`)
             from lethe.heads.asu.gguf import add_to_llama_cpp
 

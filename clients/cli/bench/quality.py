@@ -65,6 +65,8 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--asu-retain-subspace", type=float, default=0.0, help="ASU's adapters read their inputs with "
                    "the retain set's main directions (this share of their energy, e.g. 0.99) projected out "
                    "(default 0: off)")
+    p.add_argument("--asu-gate", action="store_true", help="ASU with a gate (ASUConfig.gate; needs "
+                   "--asu-lora-layers): its adapter acts only at the tokens the gate calls forget-like")
     p.add_argument("--asu-repeat-guard", type=int, default=0, help="also the variant 'asu guarded': ASU alone "
                    "with a repeat guard of this n on its rows, as an ASU profile's repeat_guard (default 0: none)")
     p.add_argument("--asu-adapter-above", type=float, default=0.5, help="the 'asu+head routed' variant: the "
@@ -144,7 +146,7 @@ def cmd_bench_real(args) -> int:
                           asu_distil=args.asu_distil, asu_lora_layers=args.asu_lora_layers,
                           asu_contexts=args.asu_contexts, asu_student_answers=args.asu_student_answers,
                           asu_retain_subspace=args.asu_retain_subspace, asu_repeat_guard=args.asu_repeat_guard,
-                          asu_adapter_above=args.asu_adapter_above)
+                          asu_gate=args.asu_gate, asu_adapter_above=args.asu_adapter_above)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
