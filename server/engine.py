@@ -124,15 +124,12 @@ class Engine:
         from dataclasses import replace
 
         def copy_base() -> LoadedModel:
-            from lethe.heads.asu.weights import restore_base
+            from lethe.heads.asu.weights import restore_base, unload
 
             restore_base(self.lm.model)  # never a merged adapter's weights into the copy
             model = copy.deepcopy(self.lm.model)
             if _is_peft(model):
-                model = model.unload()
-            from lethe.heads.asu.gate import strip
-
-            strip(model)  # the copy carries the served model's gate hooks, bound to its state
+                model = unload(model)  # and no gate hook of the served model's adapters (bound to its state)
             with self.tokenizer_lock:
                 tokenizer = copy.deepcopy(self.lm.tokenizer)
             return replace(self.lm, model=model, tokenizer=tokenizer)

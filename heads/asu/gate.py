@@ -100,8 +100,7 @@ def train_gate(lm, forget: list[dict], retain: list[dict], layer: int, fmt: str,
 def layer_of(lora_layers: list[int]) -> int:
     """The gate's layer for adapters in `lora_layers`: the first of them."""
     if not lora_layers:
-        raise ValueError("gate: needs lora_layers (the adapters must start above layer 0 for the gate to read the "
-                         "base model's state before them)")
+        raise ValueError("gate: needs lora_layers (the gate reads the state entering the first adapted layer)")
     return min(lora_layers)
 
 
@@ -109,12 +108,12 @@ def layer_of(lora_layers: list[int]) -> int:
 
 class _State:
     """Per peft model: each gated adapter's hooks, its gate values of the current forward pass, and (under per-row
-    routing) which rows use which adapter."""
+    routing) the rows of each adapter."""
 
     def __init__(self):
         self.handles: dict[str, list] = {}
         self.values: dict[str, torch.Tensor] = {}
-        self.rows: list[str] | None = None
+        self.rows: dict[str, list[int]] | None = None
 
 
 _GATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -146,7 +145,7 @@ def install(model, name: str, tensors: dict[str, torch.Tensor], gate: dict) -> N
         if g is None:
             return output
         if state.rows is not None:  # peft routes this adapter's rows alone through it
-            g = g[[i for i, n in enumerate(state.rows) if n == name]]
+            g = g[state.rows[name]]
         return output * g
 
     handles = [layer.register_forward_pre_hook(compute, with_kwargs=True)]
@@ -155,10 +154,11 @@ def install(model, name: str, tensors: dict[str, torch.Tensor], gate: dict) -> N
 
 
 def set_rows(model, rows: list[str] | None) -> None:
-    """The adapter of each row of the next forward passes (None: every row uses the active adapter)."""
+    """The adapter of each row of the next forward passes (None: every row uses the active adapter); each adapter's
+    rows are found here once, not in every adapted projection of every step."""
     state = _GATED.get(model)
     if state is not None:
-        state.rows = rows
+        state.rows = None if rows is None else {n: [i for i, m in enumerate(rows) if m == n] for n in set(rows)}
 
 
 def remove(model, name: str) -> None:

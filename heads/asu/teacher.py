@@ -108,26 +108,25 @@ def _flips(base_top: list[torch.Tensor], teacher_top: list[torch.Tensor], roles:
     return (round(statistics.fmean(facts), 3) if facts else 0.0, round(statistics.fmean(other), 3) if other else 0.0)
 
 
-def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[str]:
-    """The model's own greedy answer to each record's question, stripped."""
+def _answers(lm, records: list[dict], fmt: str, **sampling) -> list[str]:
+    """The model's answer to each record's question under `sampling` (SamplingParams' fields), stripped."""
     from lethe.heads.decoding.decode import generate_chunked
     from lethe.heads.decoding.sampling import SamplingParams
     from lethe.heads.records import ask
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in records], params)
+    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in records],
+                            SamplingParams(**sampling))
     return [c.text.strip() for c in said]
+
+
+def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[str]:
+    """The model's own greedy answer to each record's question, stripped."""
+    return _answers(lm, records, fmt, max_new_tokens=max_new_tokens, temperature=0.0)
 
 
 def sampled_answers(lm, records: list[dict], fmt: str, seed: int, max_new_tokens: int = 48) -> list[str]:
     """One answer per record's question sampled from the model (T=1, top-p 0.95, `seed`), stripped."""
-    from lethe.heads.decoding.decode import generate_chunked
-    from lethe.heads.decoding.sampling import SamplingParams
-    from lethe.heads.records import ask
-
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_p=0.95, seed=seed)
-    said = generate_chunked(lm.model, lm.tokenizer, [ask(r["question"], fmt, lm.tokenizer) for r in records], params)
-    return [c.text.strip() for c in said]
+    return _answers(lm, records, fmt, max_new_tokens=max_new_tokens, temperature=1.0, top_p=0.95, seed=seed)
 
 
 def names_fact(record: dict) -> bool:
