@@ -63,6 +63,30 @@ class RealBenchConfig:
     asu_repeat_guard: int = 0  # > 0: also the variant "asu guarded", ASU alone with a repeat guard of this n
     # the "asu+head routed" variant: the adapter only where the head's probe gives P(forget | prompt) above this
     asu_adapter_above: float = 0.5
+    asu_save: str | None = None  # write the trained ASU weights here (a file `lethe asu train --out` would write)
+    asu_weights: str | None = None  # use these ASU weights instead of training (the asu_* training settings unused)
+
+
+def _asu_weights(lm, cfg: RealBenchConfig, forget_train: list[dict], retain_train: list[dict]):
+    """ASU weights for the bench: `cfg.asu_weights` read and checked against `lm`, or trained on the bench's sets
+    (and written to `cfg.asu_save`)."""
+    from lethe.heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.weights import load_asu, projection_shapes, save_asu
+    from pathlib import Path
+
+    if cfg.asu_weights:
+        return load_asu(Path(cfg.asu_weights), lm.fingerprint, projection_shapes(lm.model),
+                        lm.model.config.num_hidden_layers)
+    named = [r | {"fact": r["gold"]} for r in forget_train]  # the gold is the fact the own answers must state
+    tensors, info = train_asu(lm, named, retain_train, ASUConfig(
+        tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
+        retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
+        retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
+        contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
+        retain_subspace=cfg.asu_retain_subspace, gate=cfg.asu_gate, format=cfg.fit.format), progress=False)
+    if cfg.asu_save:
+        save_asu(Path(cfg.asu_save), tensors, info)
+    return tensors, info
 
 
 def fluency(answers: list[str], vocab) -> dict:
@@ -129,21 +153,13 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
     log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
     asu, asu_metrics = None, None
-    if cfg.asu_tau is not None:
-        from lethe.heads.asu.distill import ASUConfig, train_asu
+    if cfg.asu_tau is not None or cfg.asu_weights:
         from lethe.heads.asu.weights import attach, unload
 
-        named = [r | {"fact": r["gold"]} for r in forget_train]  # the gold is the fact the own answers must state
-        tensors, asu_info = train_asu(trainer, named, retain_train, ASUConfig(
-            tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
-            retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
-            retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
-            contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
-            retain_subspace=cfg.asu_retain_subspace, gate=cfg.asu_gate, format=cfg.fit.format),
-            progress=False)
+        tensors, asu_info = _asu_weights(trainer, cfg, forget_train, retain_train)
         asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
-        log(f"ASU (tau {cfg.asu_tau:g}) trained: {asu_info.steps} steps in {asu_info.metrics.get('seconds')} s"
-            + (f"; gate {asu_info.metrics['gate']}" if asu_info.gate else ""))
+        log(f"ASU (tau {asu_info.tau:g}) {'loaded' if cfg.asu_weights else 'trained'}: {asu_info.steps} steps in "
+            f"{asu_info.metrics.get('seconds')} s" + (f"; gate {asu_info.metrics['gate']}" if asu_info.gate else ""))
         if decoder is not None:  # llama.cpp: a LoRA adapter its rows name (`_generate`)
             from lethe.heads.asu.gguf import add_to_llama_cpp
 

@@ -71,6 +71,9 @@ def register(bench: argparse._SubParsersAction) -> None:
                    "with a repeat guard of this n on its rows, as an ASU profile's repeat_guard (default 0: none)")
     p.add_argument("--asu-adapter-above", type=float, default=0.5, help="the 'asu+head routed' variant: the "
                    "adapter only where the head's probe gives P(forget | prompt) above this (default 0.5)")
+    p.add_argument("--asu-save", type=Path, help="write the ASU weights the bench trains to this file")
+    p.add_argument("--asu-weights", type=Path, help="ASU weights to use instead of training (from --asu-save or "
+                   "`lethe asu train` on the same model; the --asu-* training settings are then unused)")
     _add_engine_args(p)
     p.add_argument("--out", type=Path, help="JSON report (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_real)
@@ -146,7 +149,9 @@ def cmd_bench_real(args) -> int:
                           asu_distil=args.asu_distil, asu_lora_layers=args.asu_lora_layers,
                           asu_contexts=args.asu_contexts, asu_student_answers=args.asu_student_answers,
                           asu_retain_subspace=args.asu_retain_subspace, asu_repeat_guard=args.asu_repeat_guard,
-                          asu_gate=args.asu_gate, asu_adapter_above=args.asu_adapter_above)
+                          asu_gate=args.asu_gate, asu_adapter_above=args.asu_adapter_above,
+                          asu_save=args.asu_save and str(args.asu_save),
+                          asu_weights=args.asu_weights and str(args.asu_weights))
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
