@@ -484,3 +484,71 @@ def test_a_jobs_copy_of_a_model_serving_a_gated_adapter_has_no_gate_of_it(gated,
         assert engine.submit(Pending(prompt, GREEDY, adapter="g")).future.result(60).token_ids == served.token_ids
     finally:
         engine.close()
+
+
+def test_a_gate_on_where_the_answer_starts_stays_on_for_the_whole_answer(gated, tiny_records, monkeypatch):
+    """The gate's decision at the prompt's last position (the one predicting the answer's first token) latches: a
+    gate that fires there alone gives the ungated adapter's answer, token for token; without the latch it would
+    leave the rest of the answer on the base weights."""
+    from dataclasses import replace
+
+    from lethe.heads.asu import gate as gate_mod
+
+    lm, tensors, info = gated
+    forget, _ = split_by_author(tiny_records, 1)
+    prompts = [question_prompt(r["question"]) for r in forget[:2]]
+    lora = {k: v for k, v in tensors.items() if not k.startswith("lethe_gate.")}
+    model = attach(lm.model, "ungated", lora, replace(info, gate={}))
+    try:
+        ungated = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["ungated"] * 2)
+        plain = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["__base__"] * 2)
+        # the states entering the gate's layer do not depend on the adapter (it starts there): the base model's
+        xs, ys = [], []
+        for prompt, answers in zip(prompts, zip(ungated, plain)):
+            ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            for answer in answers:
+                with torch.no_grad():
+                    h = model(input_ids=torch.tensor([ids + answer.token_ids]),
+                              output_hidden_states=True).hidden_states[info.gate["layer"]][0]
+                xs.append(h)
+                ys.append(torch.arange(len(h)) == len(ids) - 1)  # on at the prompt's last position alone
+        x, y = torch.cat(xs), torch.cat(ys).float()
+        weight, bias = gate_mod.fit(x, y, l2=1e-6, max_iter=500)
+        assert torch.equal((x @ weight + bias).sigmoid() > 0.5, y > 0), "the probe fires there alone"
+        model = attach(model, "start", tensors | {gate_mod.WEIGHT: weight, gate_mod.BIAS: bias}, info)
+        latched = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["start"] * 2)
+        assert [c.token_ids for c in latched] == [c.token_ids for c in ungated]
+        mixed = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["start", "__base__"])  # routed per row
+        assert [c.token_ids for c in mixed] == [ungated[0].token_ids, plain[1].token_ids]
+        monkeypatch.setattr(gate_mod, "set_latched", lambda model, latched: None)
+        unlatched = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["start"] * 2)
+        assert [c.token_ids for c in unlatched] != [c.token_ids for c in ungated], "the latch is what keeps it on"
+    finally:
+        unload(model)
+
+
+def test_an_asu_rows_repeat_guard_acts_where_its_gate_does(gated, tiny_records):
+    """A gated adapter's own repeat guard bans repeats only at the tokens its gate lets the adapter act on: under a
+    gate that never fires the answers are the base model's exactly, under one that always fires they are the
+    ungated adapter's with the guard."""
+    from dataclasses import replace
+
+    lm, tensors, info = gated
+    forget, retain = split_by_author(tiny_records, 1)
+    prompts = [question_prompt(r["question"]) for r in forget[:3] + retain[:3]]
+    lora = {k: v for k, v in tensors.items() if not k.startswith("lethe_gate.")}
+    model = attach(lm.model, "never", _gate_set(tensors, -30.0), info)
+    model = attach(model, "always", _gate_set(tensors, 30.0), info)
+    model = attach(model, "ungated", lora, replace(info, gate={}))
+    try:
+        def answers(name, guard):
+            return [c.token_ids for c in generate(model, lm.tokenizer, prompts, GREEDY, adapters=[name] * 6,
+                                                  guards=[guard] * 6)]
+
+        guarded = answers("ungated", 2)
+        assert guarded != answers("ungated", 0), "the guard changes some answer of the adapter"
+        assert answers("always", 2) == guarded
+        base = [c.token_ids for c in generate(model, lm.tokenizer, prompts, GREEDY, adapters=["__base__"] * 6)]
+        assert answers("never", 2) == base
+    finally:
+        unload(model)

@@ -114,6 +114,7 @@ class _State:
         self.handles: dict[str, list] = {}
         self.values: dict[str, torch.Tensor] = {}
         self.rows: dict[str, list[int]] | None = None
+        self.latched: torch.Tensor | None = None  # (B,) rows whose gate stays on whatever it reads (`set_latched`)
 
 
 _GATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -138,7 +139,10 @@ def install(model, name: str, tensors: dict[str, torch.Tensor], gate: dict) -> N
 
     def compute(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
-        state.values[name] = ((hidden.float() @ weight + bias).sigmoid() > threshold).to(hidden.dtype)[..., None]
+        on = (hidden.float() @ weight + bias).sigmoid() > threshold
+        if state.latched is not None:
+            on = on | state.latched.to(on.device)[:, None]
+        state.values[name] = on.to(hidden.dtype)[..., None]
 
     def apply(module, args, output):
         g = state.values.get(name)
@@ -159,6 +163,21 @@ def set_rows(model, rows: list[str] | None) -> None:
     state = _GATED.get(model)
     if state is not None:
         state.rows = None if rows is None else {n: [i for i, m in enumerate(rows) if m == n] for n in set(rows)}
+
+
+def set_latched(model, latched: list[bool] | None) -> None:
+    """The rows of the next forward passes whose gate is latched on (None or none: the gate reads every token)."""
+    state = _GATED.get(model)
+    if state is not None:
+        state.latched = torch.tensor(latched) if latched and any(latched) else None
+
+
+def last_on(model, names: list[str]) -> list[bool | None]:
+    """Per row, adapter `names[i]`: whether its gate was on at the row's last position in the model's last forward
+    pass, the position whose logits come next (None: the row's adapter has no gate). Read right after that pass."""
+    state = _GATED.get(model)
+    values = state.values if state is not None else {}
+    return [bool(values[n][i, -1, 0] > 0) if n in values else None for i, n in enumerate(names)]
 
 
 def remove(model, name: str) -> None:

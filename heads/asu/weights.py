@@ -278,32 +278,35 @@ def detach(model, name: str) -> None:
 
 
 @contextmanager
-def adapters(model, names: list[str] | None):
+def adapters(model, names: list[str] | None, latched: list[bool] | None = None):
     """Rows decode with their own adapter (`__base__`: none), in one forward pass.
 
     A batch whose rows all use one adapter, or none, runs the base layers alone: on the base weights with that
     adapter merged in (`_merged`), or as they are. Only a batch that mixes them pays for peft's per-row routing
     (`adapter_names`), which splits every adapted projection's input by adapter. The model keeps its last state
-    (`_use`), so consecutive steps of one batch switch nothing."""
+    (`_use`), so consecutive steps of one batch switch nothing. `latched`: per row, whether its gated adapter's gate
+    stays on at every token (`heads.asu.gate.set_latched`)."""
     from peft import PeftModel
 
     if names is None or not isinstance(model, PeftModel):
         yield
         return
-    from lethe.heads.asu.gate import set_rows
+    from lethe.heads.asu.gate import set_latched, set_rows
 
     distinct = set(names)
-    if len(distinct) > 1:
-        _use(model, MIXED)
-        set_rows(model, names)  # a gated adapter's hooks see its own rows alone
-        try:
+    set_latched(model, latched)
+    try:
+        if len(distinct) > 1:
+            _use(model, MIXED)
+            set_rows(model, names)  # a gated adapter's hooks see its own rows alone
             with model.base_model._enable_peft_forward_hooks(adapter_names=names):
                 yield
-        finally:
-            set_rows(model, None)
-        return
-    _use(model, distinct.pop())
-    yield
+        else:
+            _use(model, distinct.pop())
+            yield
+    finally:
+        set_rows(model, None)
+        set_latched(model, None)
 
 
 MIXED = "__mixed__"

@@ -191,6 +191,8 @@ class Row:
     untilted_prompt_logprobs: list[TokenLogprob | None] | None = None
     adapter: str | None = None  # the ASU adapter it decodes with (None: the base weights)
     repeat_guard: int = 0  # a row without a head (ASU alone): its own repeat guard's n (0: off)
+    gate_on: bool | None = None  # a gated adapter's row: whether the gate acted on its next logits (None: no gate)
+    gate_latched: bool = False  # its gate was on where the answer starts, so it stays on for the whole answer
 
     def completion(self) -> Completion:
         asked = self.params.prompt_logprobs is not None
@@ -233,7 +235,10 @@ class Batch:
             self.runner = model.start_rows(encoded, scored, adapters) if llama else \
                 TorchRows(model, encoded, scored, tokenizer.pad_token_id or 0)
             self.pool = Pool(self.runner.prompt_hidden, [self._window_of(i) for i in range(len(self.rows))])
+            self._read_gates()
             self._score_prompts(self.runner.prompt_logits)
+        for row in self.rows:  # a gate on at the prompt's last position (the answer's first token) stays on
+            row.gate_latched = bool(row.gate_on)
         self.runner.prompt_logits = self.runner.prompt_hidden = None  # every prompt position's states: done with
         # per-row work a step does only when some row asks for it (nothing added to the others' steps)
         self._min_tokens = any(p.min_new_tokens for p in params)
@@ -300,7 +305,7 @@ class Batch:
             return nullcontext()  # which keep their own
         from lethe.heads.asu.weights import adapters
 
-        return adapters(self.model, self.adapters)
+        return adapters(self.model, self.adapters, [r.gate_latched for r in self.rows])
 
     @property
     def done(self) -> bool:
@@ -345,8 +350,17 @@ class Batch:
         if not self.done:
             with self._adapters():
                 hidden = self.runner.feed(tokens)
+                self._read_gates()
             self.pool.push(hidden)
         return emitted
+
+    def _read_gates(self) -> None:
+        """After a forward pass: for rows of a gated ASU adapter, whether its gate acted on their next logits."""
+        if self.adapters is not None and not self._llama:
+            from lethe.heads.asu.gate import last_on
+
+            for row, on in zip(self.rows, last_on(self.model, self.adapters)):
+                row.gate_on = on
 
     def _hold_eos(self, logits: torch.Tensor) -> torch.Tensor:
         """Rows short of their min_new_tokens cannot choose the end-of-text token yet."""
@@ -403,10 +417,12 @@ class Batch:
 
     def _guard_repeats(self, scores: torch.Tensor) -> torch.Tensor:
         """Where the guide (or a row's own guard) asks for it, no word that repeats a word n-gram of the row's answer
-        (in place)."""
+        (in place). A row's own guard acts where its adapter acts: with a gated adapter, at the tokens its gate is
+        on, so the rows the gate leaves alone decode as the base model does."""
         guards = getattr(self.guide, "repeat_guards", None)
         ns = list(guards()) if guards is not None else []
-        ns = [(ns[i] if i < len(ns) else 0) or row.repeat_guard for i, row in enumerate(self.rows)]
+        ns = [(ns[i] if i < len(ns) else 0) or (row.repeat_guard if row.gate_on is not False else 0)
+              for i, row in enumerate(self.rows)]
         if any(ns):
             classes = word_classes(self.tokenizer)
             for i, n in enumerate(ns):
