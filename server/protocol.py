@@ -83,7 +83,8 @@ class ProfileSpec(Strict):
     repeat_guard: int | None = Field(None, ge=0, le=MAX_REPEAT_GUARD,
                                      description="Forget-like contexts: no word that repeats a word n-gram of the "
                                                  "answer, for this n (0: off; 1 is refused). In an asu profile "
-                                                 "without a head: every row's guard (default 0 there).")
+                                                 "without a head: its rows' guard, where their adapter acts "
+                                                 "(default 0 there; 3 for gated weights).")
     abstain: str | None = Field(None, min_length=1, max_length=MAX_REPLY,
                                 description="A reply (e.g. \"I don't know.\") given instead of an answer when the "
                                             "head's probe calls the prompt alone forget-like.")

@@ -469,7 +469,8 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     assert 0 < kept <= len(tenant_a["forget"])
     assert made["metrics"]["examples"] == {"forget": 2 * kept, "retain": len(tenant_a["retain"]) + 2 * kept}
     a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
-    a.put("/v1/profiles/gated", json={"backend": "asu", "weights": tuned["weights"]})
+    gated = a.put("/v1/profiles/gated", json={"backend": "asu", "weights": tuned["weights"]}).json()
+    assert gated["spec"]["repeat_guard"] == 3, "gated weights guard their rows where the gate is on, by default"
     alone = _ask(a, [rec], "gated")[0]["text"]
     # rows of a LoRA adapter, a full-layer adapter, a gated adapter and the base in one batch
     with ThreadPoolExecutor(4) as pool:
