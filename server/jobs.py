@@ -334,7 +334,10 @@ class JobRunner:
 
         cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64),
                          format=params.get("format", "auto"), check=check)
-        report = evaluate(lm, forget, retain, Profile(params.get("profile") or "inline", head, settings), cfg=cfg)
+        asu = spec.get("backend") == "asu"  # its rows decode as served: the adapter per row (gate latch, routing)
+        profile = Profile(params.get("profile") or "inline", head, settings, "asu_eval" if asu else None,
+                          spec.get("repeat_guard", 0) if asu and head is None else 0)
+        report = evaluate(lm, forget, retain, profile, cfg=cfg)
         if cancel.is_set():
             raise Cancelled()
         report.pop("forget_truth_ratios", None)

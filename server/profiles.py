@@ -50,10 +50,9 @@ def load_stored(store: Store, table: str, item_id: str, param: str, kind: str, l
         raise StoredFileError(f"the stored file of {kind} {item_id} cannot be used: {public(e)}") from None
 
 
-# a profile of ASU weights alone: the repeat guard its rows get unless the profile names one (0: off). Gated weights
-# get it on: their rows are guarded only where the gate lets the adapter act, so retain answers keep the base's.
+# a profile of ungated ASU weights alone: the repeat guard its rows get unless the profile names one (0: off;
+# heads.asu.weights.default_repeat_guard)
 ASU_REPEAT_GUARD = 0
-ASU_GATED_REPEAT_GUARD = 3
 
 
 @dataclass(frozen=True)
@@ -243,7 +242,9 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
         if not spec.get("head"):
             if spec.get("adapter_above"):
                 raise ProfileError(422, "adapter_above", "adapter_above needs a head: its probe decides")
-            guard = spec.get("repeat_guard", ASU_GATED_REPEAT_GUARD if info.gate else ASU_REPEAT_GUARD)
+            from lethe.heads.asu.weights import default_repeat_guard
+
+            guard = spec.get("repeat_guard", default_repeat_guard(info))
             try:
                 TiltSettings(repeat_guard=guard).replace()
             except ValueError as e:

@@ -486,10 +486,28 @@ def test_a_jobs_copy_of_a_model_serving_a_gated_adapter_has_no_gate_of_it(gated,
         engine.close()
 
 
+def _decoded_from(model, tokenizer, prompt: str, on: str, n: int) -> list[int]:
+    """Greedy token ids of `prompt`'s answer with the base weights on every prompt position but the last and adapter
+    `on` from there: what a gate latched where the answer starts gives."""
+    from lethe.heads.asu.weights import adapters
+
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        with adapters(model, ["__base__"]):
+            past = model(input_ids=torch.tensor([ids[:-1]]), use_cache=True).past_key_values
+        token, out = ids[-1], []
+        with adapters(model, [on]):
+            for _ in range(n):
+                step = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+                out.append(token)
+    return out
+
+
 def test_a_gate_on_where_the_answer_starts_stays_on_for_the_whole_answer(gated, tiny_records, monkeypatch):
     """The gate's decision at the prompt's last position (the one predicting the answer's first token) latches: a
-    gate that fires there alone gives the ungated adapter's answer, token for token; without the latch it would
-    leave the rest of the answer on the base weights."""
+    gate that fires there alone keeps the adapter on for every token of the answer, in a batch of its own rows or
+    mixed with base rows; without the latch the rest of the answer would be on the base weights."""
     from dataclasses import replace
 
     from lethe.heads.asu import gate as gate_mod
@@ -499,6 +517,7 @@ def test_a_gate_on_where_the_answer_starts_stays_on_for_the_whole_answer(gated, 
     prompts = [question_prompt(r["question"]) for r in forget[:2]]
     lora = {k: v for k, v in tensors.items() if not k.startswith("lethe_gate.")}
     model = attach(lm.model, "ungated", lora, replace(info, gate={}))
+    model = attach(model, "always", _gate_set(tensors, 30.0), info)
     try:
         ungated = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["ungated"] * 2)
         plain = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["__base__"] * 2)
@@ -517,12 +536,14 @@ def test_a_gate_on_where_the_answer_starts_stays_on_for_the_whole_answer(gated, 
         assert torch.equal((x @ weight + bias).sigmoid() > 0.5, y > 0), "the probe fires there alone"
         model = attach(model, "start", tensors | {gate_mod.WEIGHT: weight, gate_mod.BIAS: bias}, info)
         latched = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["start"] * 2)
-        assert [c.token_ids for c in latched] == [c.token_ids for c in ungated]
+        expected = [_decoded_from(model, lm.tokenizer, p, "always", len(c.token_ids))
+                    for p, c in zip(prompts, latched)]
+        assert [c.token_ids for c in latched] == expected
         mixed = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["start", "__base__"])  # routed per row
-        assert [c.token_ids for c in mixed] == [ungated[0].token_ids, plain[1].token_ids]
+        assert [c.token_ids for c in mixed] == [expected[0], plain[1].token_ids]
         monkeypatch.setattr(gate_mod, "set_latched", lambda model, latched: None)
         unlatched = generate(model, lm.tokenizer, prompts, GREEDY, adapters=["start"] * 2)
-        assert [c.token_ids for c in unlatched] != [c.token_ids for c in ungated], "the latch is what keeps it on"
+        assert [c.token_ids for c in unlatched] != expected, "the latch is what keeps it on"
     finally:
         unload(model)
 
@@ -530,25 +551,30 @@ def test_a_gate_on_where_the_answer_starts_stays_on_for_the_whole_answer(gated, 
 def test_an_asu_rows_repeat_guard_acts_where_its_gate_does(gated, tiny_records):
     """A gated adapter's own repeat guard bans repeats only at the tokens its gate lets the adapter act on: under a
     gate that never fires the answers are the base model's exactly, under one that always fires they are the
-    ungated adapter's with the guard."""
+    ungated adapter's with the guard; per row in a batch that mixes the two."""
     from dataclasses import replace
 
     lm, tensors, info = gated
     forget, retain = split_by_author(tiny_records, 1)
     prompts = [question_prompt(r["question"]) for r in forget[:3] + retain[:3]]
     lora = {k: v for k, v in tensors.items() if not k.startswith("lethe_gate.")}
+    long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)  # past the answer: repeats to ban
     model = attach(lm.model, "never", _gate_set(tensors, -30.0), info)
     model = attach(model, "always", _gate_set(tensors, 30.0), info)
     model = attach(model, "ungated", lora, replace(info, gate={}))
     try:
-        def answers(name, guard):
-            return [c.token_ids for c in generate(model, lm.tokenizer, prompts, GREEDY, adapters=[name] * 6,
+        def answers(names, guard):
+            names = names if isinstance(names, list) else [names] * 6
+            return [c.token_ids for c in generate(model, lm.tokenizer, prompts, long, adapters=names,
                                                   guards=[guard] * 6)]
 
         guarded = answers("ungated", 2)
         assert guarded != answers("ungated", 0), "the guard changes some answer of the adapter"
+        base = answers("__base__", 0)
+        assert answers("__base__", 2) != base, "the guard changes some answer of the base model"
         assert answers("always", 2) == guarded
-        base = [c.token_ids for c in generate(model, lm.tokenizer, prompts, GREEDY, adapters=["__base__"] * 6)]
         assert answers("never", 2) == base
+        mixed = answers(["always", "never"] * 3, 2)
+        assert mixed == [guarded[i] if i % 2 == 0 else base[i] for i in range(6)]
     finally:
         unload(model)

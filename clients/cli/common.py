@@ -84,7 +84,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, help="forget-like contexts: drop candidates below MIN_P x the best's "
                                                "probability (0: off)")
     p.add_argument("--repeat-guard", type=int, help="forget-like contexts: no word that repeats a word n-gram of "
-                                                    "the answer, for this n (0: off)")
+                                                    "the answer, for this n (0: off); with --asu and no head, the "
+                                                    "adapter's rows' own guard (default 0; 3 for gated weights)")
     p.add_argument("--abstain", help="reply with this text (e.g. \"I don't know.\") when the head's probe calls the "
                                      "prompt forget-like")
     p.add_argument("--abstain-above", type=float, help="the probe's P(forget | prompt) above which --abstain replies")
@@ -122,9 +123,12 @@ def _with_asu(args, lm, decoder=None):
         return lm
     from dataclasses import replace
 
-    from lethe.heads.asu.weights import attach, load_asu
+    from lethe.heads.asu.weights import attach, default_repeat_guard, load_asu
 
     tensors, info = load_asu(args.asu, lm.fingerprint)
+    # rows of the weights alone get their own repeat guard, as a server's profile gives them
+    guard = getattr(args, "repeat_guard", None)
+    args.asu_repeat_guard = guard if guard is not None else default_repeat_guard(info)
     if decoder is not None:
         from lethe.heads.asu.gguf import add_to_llama_cpp
 

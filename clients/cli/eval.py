@@ -54,7 +54,9 @@ def cmd_eval(args) -> int:
     name = args.name or "+".join(filter(None, ["asu" if args.asu else None,
                                                 ("t3-" + (args.preset or "head")) if head is not None else None])) \
         or "base"
-    report = evaluate(lm, forget, retain, Profile(name, head, settings), reference,
+    profile = Profile(name, head, settings, "asu_cli" if args.asu else None,  # its rows as a server decodes them
+                      getattr(args, "asu_repeat_guard", 0) if head is None else 0)
+    report = evaluate(lm, forget, retain, profile, reference,
                       cfg=EvalConfig(max_new_tokens=args.max_new_tokens, seeds=tuple(args.seeds), format=args.format))
     atomic_write_text(args.out, json.dumps(report, indent=2))
     if args.plot:

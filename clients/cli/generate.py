@@ -65,7 +65,8 @@ def cmd_generate(args) -> int:
         print("lethe generate: give a PROMPT or --input PROMPTS.jsonl", file=sys.stderr)
         return 2
     outs = generate_chunked(fast or lm.model, lm.tokenizer, prompts, params, batch_size=16 if fast else 64,
-                            guide=guide, adapter="asu_cli" if args.asu else None)
+                            guide=guide, adapter="asu_cli" if args.asu else None,
+                            repeat_guard=getattr(args, "asu_repeat_guard", 0) if guide is None else 0)
     if args.output:
         from lethe.heads.io import atomic_write_text
 

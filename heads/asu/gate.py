@@ -9,6 +9,11 @@ question (so it also fires along the paths sampling takes). At serving, a pre-ho
 `g = [sigmoid(w . h + b) > threshold]`, and every LoRA output of the adapter (`lora_B`) is multiplied by `g`: a
 token the gate leaves off decodes on the base weights exactly, and so does its cached key and value.
 
+The decision where the answer starts latches: a row whose gate is on at the prompt's last position (the one that
+predicts the answer's first token) keeps the adapter on for its whole answer (`set_latched`, kept per row by the
+decode loop), because the student's own answer soon turns to text the gate never saw, and a gate that went off there
+let the answer come back to the fact on the base weights. Elsewhere the gate decides token by token.
+
 The gate is two tensors in the adapter's own file (`lethe_gate.weight`, `lethe_gate.bias`) and `ASUInfo.gate`
 (`{"layer", "threshold"}`); `heads.asu.weights` installs it with the adapter and never merges a gated adapter.
 """
@@ -141,7 +146,7 @@ def install(model, name: str, tensors: dict[str, torch.Tensor], gate: dict) -> N
         hidden = args[0] if args else kwargs["hidden_states"]
         on = (hidden.float() @ weight + bias).sigmoid() > threshold
         if state.latched is not None:
-            on = on | state.latched.to(on.device)[:, None]
+            on = on | state.latched[:, None]
         state.values[name] = on.to(hidden.dtype)[..., None]
 
     def apply(module, args, output):
@@ -169,7 +174,8 @@ def set_latched(model, latched: list[bool] | None) -> None:
     """The rows of the next forward passes whose gate is latched on (None or none: the gate reads every token)."""
     state = _GATED.get(model)
     if state is not None:
-        state.latched = torch.tensor(latched) if latched and any(latched) else None
+        device = next(model.parameters()).device
+        state.latched = torch.tensor(latched, device=device) if latched and any(latched) else None
 
 
 def last_on(model, names: list[str]) -> list[bool | None]:
@@ -177,7 +183,8 @@ def last_on(model, names: list[str]) -> list[bool | None]:
     pass, the position whose logits come next (None: the row's adapter has no gate). Read right after that pass."""
     state = _GATED.get(model)
     values = state.values if state is not None else {}
-    return [bool(values[n][i, -1, 0] > 0) if n in values else None for i, n in enumerate(names)]
+    last = {n: values[n][:, -1, 0].gt(0).tolist() for n in set(names) if n in values}  # one read per adapter
+    return [last[n][i] if n in last else None for i, n in enumerate(names)]
 
 
 def remove(model, name: str) -> None:

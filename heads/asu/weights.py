@@ -53,6 +53,13 @@ class ASUInfo:
     format_version: int = 1
 
 
+def default_repeat_guard(info: ASUInfo) -> int:
+    """The repeat guard (its n; 0: off) of rows decoding with these weights alone unless told otherwise: on for gated
+    weights, whose rows it guards only where the gate lets the adapter act, so retain answers keep the base model's;
+    off for ungated ones, where it would act on every answer (it changed retain answers on SmolLM2)."""
+    return 3 if info.gate else 0
+
+
 def lora_config(info: ASUInfo):
     from peft import LoraConfig
 

@@ -73,6 +73,8 @@ class Profile:
     name: str
     head: T3Head | None = None
     settings: TiltSettings | None = None
+    adapter: str | None = None  # the ASU adapter (attached to the model) its rows decode with, as served
+    repeat_guard: int = 0  # ASU weights alone: the rows' own repeat guard, as served
 
     def guide(self):
         return HeadGuide.uniform(self.head, self.settings or TiltSettings()) if self.head is not None else None
@@ -93,7 +95,8 @@ class EvalConfig:
 def _answers(model, tokenizer, questions, profile: Profile, params: SamplingParams, batch_size: int,
              fmt: str = "qa", check=None) -> list[str]:
     return [c.text.strip() for c in generate_chunked(model, tokenizer, [ask(q, fmt, tokenizer) for q in questions], params,
-                                                     batch_size, profile.guide(), check)]
+                                                     batch_size, profile.guide(), check, profile.adapter,
+                                                     profile.repeat_guard)]
 
 
 def truth_ratios(model, tokenizer, records, profile: Profile, fmt: str = "qa") -> list[float]:
