@@ -313,6 +313,7 @@ class JobRunner:
         from lethe.heads.asu.weights import attach, load_asu
         from lethe.heads.evaluation.evaluate import EvalConfig, Profile, evaluate
         from lethe.heads.t3.guide import TiltSettings
+        from lethe.server.profiles import asu_repeat_guard
 
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
@@ -334,9 +335,9 @@ class JobRunner:
 
         cfg = EvalConfig(seeds=tuple(params.get("seeds", [])), max_new_tokens=params.get("max_new_tokens", 64),
                          format=params.get("format", "auto"), check=check)
-        asu = spec.get("backend") == "asu"  # its rows decode as served: the adapter per row (gate latch, routing)
-        profile = Profile(params.get("profile") or "inline", head, settings, "asu_eval" if asu else None,
-                          spec.get("repeat_guard", 0) if asu and head is None else 0)
+        # its rows decode as served: the adapter per row (gate latch, routing) and their own repeat guard
+        profile = Profile(params.get("profile") or "inline", head, settings,
+                          "asu_eval" if spec.get("backend") == "asu" else None, asu_repeat_guard(spec))
         report = evaluate(lm, forget, retain, profile, cfg=cfg)
         if cancel.is_set():
             raise Cancelled()

@@ -50,9 +50,10 @@ def load_stored(store: Store, table: str, item_id: str, param: str, kind: str, l
         raise StoredFileError(f"the stored file of {kind} {item_id} cannot be used: {public(e)}") from None
 
 
-# a profile of ungated ASU weights alone: the repeat guard its rows get unless the profile names one (0: off;
-# heads.asu.weights.default_repeat_guard)
-ASU_REPEAT_GUARD = 0
+def asu_repeat_guard(spec: dict) -> int:
+    """The rows' own repeat guard of a completed spec: ASU weights alone have one (set by `complete_spec`; a spec
+    stored before the field existed: none); every other row is guarded by its head's settings, or not at all."""
+    return spec.get("repeat_guard", 0) if spec.get("backend") == "asu" and not spec.get("head") else 0
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,4 @@ def resolve(store: Store, cache: HeadCache, tenant_id: str | None, profile: str 
     if adapters is None:
         raise ProfileError(422, "backend", "ASU is not available on this server")
     adapter, release = adapters.acquire(tenant_id, spec["weights"])
-    # ASU alone: its rows' own repeat guard (a spec stored before the field existed: none)
-    guard = spec.get("repeat_guard", 0) if row is None else 0
-    return Resolved(name, version, row, adapter, guard, release)
+    return Resolved(name, version, row, adapter, asu_repeat_guard(spec), release)
