@@ -413,7 +413,7 @@ class Lethe:
         return self._send(_r.delete_head(head_id))
 
     def train_asu(self, forget: str, retain: str, **options: Any) -> JobOut:
-        """Start an ASU job (options: tau, layers, lora_rank, full_layers, lora_layers, own_answers,
+        """Start an ASU job (options: preset, tau, layers, lora_rank, full_layers, lora_layers, own_answers,
         retain_own_answers, distil, contexts, student_answers, retain_subspace, gate, retain_loss, retain_weight, lr,
         steps, seed, format)."""
         return self._send(_r.train_asu(forget, retain, options))

@@ -82,7 +82,7 @@ def heads_train(client: Lethe, args):
 
 
 def asu_train(client: Lethe, args):
-    options = {k: getattr(args, k) for k in ("tau", "layers", "lora_rank", "full_layers", "lora_layers",
+    options = {k: getattr(args, k) for k in ("preset", "tau", "layers", "lora_rank", "full_layers", "lora_layers",
                                               "own_answers", "retain_own_answers", "distil", "contexts",
                                               "student_answers", "retain_subspace", "gate", "retain_loss",
                                               "retain_weight",

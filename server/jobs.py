@@ -364,7 +364,8 @@ class JobRunner:
                           info.__dict__, info.metrics)
 
     def _train_asu(self, job: dict, cancel: threading.Event) -> None:
-        from lethe.heads.asu.distill import ASUConfig, train_asu
+        from lethe.heads.asu.distill import train_asu
+        from lethe.heads.asu.presets import FIELDS, configure, record
         from lethe.heads.asu.weights import save_asu
 
         job_id, tenant_id = job["id"], job["tenant_id"]
@@ -373,22 +374,12 @@ class JobRunner:
                                                    "distilling": (0.2, 0.95)})
         progress("copying", 0.0)
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
-        cfg = ASUConfig(**{k: params[k] for k in ("tau", "layers", "lora_rank", "full_layers", "lora_layers",
-                                                   "retain_loss", "retain_weight", "lr", "steps", "seed", "format",
-                                                   "own_answers", "retain_own_answers", "distil", "contexts",
-                                                   "student_answers", "retain_subspace", "gate")
-                           if params.get(k) is not None})
-        teacher = None
-        if params.get("tau") is None:
-            from lethe.heads.asu.teacher import choose_teacher
-
-            progress("teacher", 0.0)
-            cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format,
-                                                          on_progress=lambda f: progress("teacher", f))
+        preset = params.get("preset", "minimal")  # a job queued before presets had the minimal preset's defaults
+        cfg, teacher = configure(lm, forget, {k: params.get(k) for k in FIELDS}, preset,
+                                 on_progress=lambda f: progress("teacher", f))
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
                                   on_progress=lambda f: progress("distilling", f))
-        if teacher is not None:
-            info.metrics["teacher"] = teacher
+        record(info, preset, teacher)
         del lm
         if cancel.is_set():
             raise Cancelled()

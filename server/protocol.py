@@ -171,6 +171,11 @@ class HeadJobRequest(Strict):
 class ASUJobRequest(Strict):
     forget: str = Field(description="Dataset id of the forget set.")
     retain: str = Field(description="Dataset id of the retain set.")
+    preset: Literal["lethe", "minimal"] = Field("lethe", description=(
+        "Where the settings below are not given: `lethe`, the recipe measured best on SmolLM2 (the teacher's pick, "
+        "adapters in its tempered layers, own answers, KL retain loss weight 5 along the model's own retain "
+        "answers, 100 steps, a gate where the adapters start past the first layer); `minimal`, the release "
+        "before's (adapters in every layer, the sets' answers, gd retain loss weight 1, 300 steps, no gate)."))
     tau: float | None = Field(None, gt=1, le=1000, allow_inf_nan=False, description=(
         "Teacher attention temperature. Omitted: the job's teacher phase measures the candidates (`lethe asu "
         "teacher`) on the forget set's question/answer records and takes its pick, with its layers unless "
@@ -182,13 +187,14 @@ class ASUJobRequest(Strict):
                                     description="Train these layers' projections in full instead of LoRA.")
     lora_layers: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
                                     description="Put the LoRA adapters in these layers only, e.g. 20-29 (default: "
-                                                "every layer).")
-    own_answers: bool = Field(False, description=(
+                                                "preset lethe, the tempered layers; minimal, every layer).")
+    own_answers: bool | None = Field(None, description=(
         "Distil along the model's own greedy answers to the forget questions where they state the record's "
-        "`fact` (records without a `fact` keep their answer; those whose own answer lacks it are left out)."))
-    retain_own_answers: bool = Field(False, description=(
+        "`fact` (records without a `fact` keep their answer; those whose own answer lacks it are left out). Default: "
+        "on with preset lethe."))
+    retain_own_answers: bool | None = Field(None, description=(
         "Hold the student to the original model along its own greedy answers to the retain questions; needs "
-        "`retain_loss` kl."))
+        "`retain_loss` kl. Default: on with preset lethe and the kl retain loss."))
     distil: Literal["answer", "fact", "fact-out"] = Field("answer", description=(
         "Where the student follows the teacher along a forget answer: `answer`, every token (the paper); `fact`, "
         "the fact's tokens only, the original model at the others; `fact-out`, as `fact` with the fact's tokens "
@@ -204,14 +210,17 @@ class ASUJobRequest(Strict):
         "The adapters read their inputs with the retain set's main directions projected out: the share of the "
         "retain inputs' energy those directions hold, per adapted projection (0.99); 0 (the default): off. Not "
         "with `full_layers`."))
-    gate: bool = Field(False, description=(
+    gate: bool | None = Field(None, description=(
         "Train a gate with the adapters: a linear probe on the state entering the first of `lora_layers` (which it "
         "needs), so the adapter acts only at the tokens it calls forget-like and every other token decodes on the "
-        "base weights. Served on the torch engine only."))
-    retain_loss: Literal["gd", "kl"] = "gd"
-    retain_weight: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+        "base weights. Served on the torch engine only. Default: with preset lethe, on where the adapters' first "
+        "layer is not the model's first."))
+    retain_loss: Literal["gd", "kl"] | None = Field(None, description="Default: kl with preset lethe, gd with minimal.")
+    retain_weight: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
+                                        description="Default: 5 with preset lethe, 1 with minimal.")
     lr: float = Field(2e-3, gt=0, le=1, allow_inf_nan=False)
-    steps: int = Field(300, ge=1, le=100_000)
+    steps: int | None = Field(None, ge=1, le=100_000, description=(
+        "At most (training stops early when the forget KL stalls). Default: 100 with preset lethe, 300 with minimal."))
     seed: int = Field(0, ge=0, le=MAX_SEED)
     format: Literal["auto", "chat", "qa", "raw"] = Field(
         "auto", description="How question/answer records become text: `chat` (the model's chat template, as "
@@ -243,6 +252,9 @@ class ASUOut(BaseModel):
                                                                       "every layer).")
     gate: dict = Field(default_factory=dict, description="The adapter's gate (`layer`, `threshold`); empty: none.")
     steps: int
+    training: dict = Field(default_factory=dict, description="The settings it was distilled with, each default "
+                                                           "resolved (its `preset` among them); empty where the file "
+                                                           "holds none.")
     metrics: dict
     sha256: str | None = Field(None, description="sha256 of the weights file (the same content is stored once).")
 

@@ -189,6 +189,7 @@ def train_head(body: HeadJobRequest, request: Request, tenant_id: str = Depends(
 def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(tenant)) -> JobOut:
     """Start a job that distils ASU adapters (LoRA) towards the tempered-attention teacher."""
     from lethe.heads.asu.attention import parse_layers
+    from lethe.heads.asu.presets import PRESETS
     from lethe.heads.asu.teacher import names_fact
 
     _check_datasets(request, tenant_id, body)
@@ -206,7 +207,7 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
         raise field_error("gate", "needs lora_layers (the gate reads the state entering the first adapted layer)")
     if body.retain_subspace and body.full_layers is not None:
         raise field_error("retain_subspace", "projects LoRA adapters' inputs; full_layers trains no adapter")
-    if body.retain_own_answers and body.retain_loss != "kl":
+    if body.retain_own_answers and (body.retain_loss or PRESETS[body.preset]["retain_loss"]) != "kl":
         raise field_error("retain_own_answers", "needs retain_loss kl (gd would teach the model its own answers)")
     if body.student_answers and not any("question" in r and names_fact(r)
                                         for r in request.app.state.store.records(body.forget)):
@@ -246,7 +247,8 @@ def _asu_out(w: dict) -> ASUOut:
     info = json.loads(w["info"])
     return ASUOut(id=w["id"], job=w["job_id"], bytes=w["bytes"], created=w["created"], tau=info["tau"],
                   layers=info["layers"], lora_rank=info["lora_rank"], lora_layers=info.get("lora_layers", []),
-                  gate=info.get("gate", {}), steps=info["steps"], metrics=info["metrics"],
+                  gate=info.get("gate", {}), steps=info["steps"], training=info.get("training", {}),
+                  metrics=info["metrics"],
                   sha256=w.get("sha256"))
 
 

@@ -386,6 +386,12 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     # no tau asked: the job's teacher phase chose it, among candidates on the layers asked for, and says why
     teacher = info["metrics"]["teacher"]
     assert teacher["chosen"] == {"tau": info["tau"], "layers": "0-1"} and teacher["reason"]
+    # the settings not given are the default preset's (lethe), and the weights say which they were distilled with
+    training = info["training"]
+    assert (training["preset"], training["retain_loss"], training["retain_weight"], training["own_answers"],
+            training["retain_own_answers"], training["steps"]) == ("lethe", "kl", 5.0, True, True, 40)
+    # the teacher tempers both layers of the test model, so the adapters are in every layer, and ungated
+    assert (training["lora_layers"], info["lora_layers"], info["gate"], training["gate"]) == (None, [], {}, False)
     prof = a.put("/v1/profiles/asu", json={"backend": "asu", "weights": weights}).json()
     assert prof["spec"] == {"backend": "asu", "weights": weights, "repeat_guard": 0}  # ungated: off
     # ASU alone has no head to guard its rows: the profile's own repeat guard does
@@ -436,7 +442,8 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     b = new_tenant(live, "b3")
     assert b.get(f"/v1/asu/{weights}").status_code == 404 and b.delete(f"/v1/asu/{weights}").status_code == 404
     assert b.put("/v1/profiles/x", json={"backend": "asu", "weights": weights}).status_code == 404
-    full = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 10, "full_layers": "1"})
+    full = a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 10, "full_layers": "1",
+                                   "preset": "minimal"})
     assert full.status_code == 202
     assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "full_layers": "5"}).status_code == 422
     # the distillation's other settings: LoRA in chosen layers, own answers, the KL retain loss along them
@@ -467,6 +474,10 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     kept = made["metrics"]["examples"]["forget"] // 2
     assert 0 < kept <= len(tenant_a["forget"])
     assert made["metrics"]["examples"] == {"forget": 2 * kept, "retain": len(tenant_a["retain"]) + 2 * kept}
+    full_training = a.get(f"/v1/asu/{state['weights']}").json()["training"]
+    assert (full_training["preset"], full_training["retain_loss"], full_training["own_answers"]) == \
+        ("minimal", "gd", False)
+    assert a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "preset": "best"}).status_code == 422
     a.put("/v1/profiles/full", json={"backend": "asu", "weights": state["weights"]})
     gated = a.put("/v1/profiles/gated", json={"backend": "asu", "weights": tuned["weights"]}).json()
     assert gated["spec"]["repeat_guard"] == 3, "gated weights guard their rows where the gate is on, by default"

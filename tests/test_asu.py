@@ -142,7 +142,15 @@ def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path)
     assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
                  "--retain", str(tmp_path / "retain.jsonl"), "--steps", "20", "--layers", "0", "--quiet",
                  "--out", str(out)]) == 0
-    assert load_asu(out)[1].layers == [0]
+    info = load_asu(out)[1]
+    assert info.layers == info.lora_layers == [0] and not info.gate, "adapters where the teacher tempers; no gate at 0"
+    assert (info.training["preset"], info.training["retain_loss"], info.training["own_answers"]) == ("lethe", "kl", True)
+    minimal = tmp_path / "minimal.safetensors"
+    assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--preset", "minimal", "--tau", "16", "--steps", "2",
+                 "--no-own-answers", "--quiet", "--out", str(minimal)]) == 0
+    info = load_asu(minimal)[1]
+    assert (info.training["preset"], info.training["retain_loss"], info.lora_layers) == ("minimal", "gd", [])
     assert main(["generate", "--model", str(tiny_model_dir), "--asu", str(out), "Question: hello\nAnswer:"]) == 0
     report = tmp_path / "r.json"
     assert main(["eval", "--model", str(tiny_model_dir), "--asu", str(out), "--forget", str(tmp_path / "forget.jsonl"),

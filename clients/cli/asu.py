@@ -22,6 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--forget", required=True, help="JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--retain", required=True, help="JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
+    p.add_argument("--preset", choices=["lethe", "minimal"], default="lethe",
+                   help="the settings not given: lethe (default), the recipe measured best on SmolLM2 (adapters in "
+                        "the tempered layers, own answers, KL retain loss weight 5 along the model's own retain "
+                        "answers, 100 steps, a gate where the adapters start past the first layer); minimal, the "
+                        "release before's (every layer, the sets' answers, gd weight 1, 300 steps, no gate)")
     p.add_argument("--tau", type=float, default=None, help="attention temperature of the teacher (default: the "
                    "pick of `lethe asu teacher` on the forget set, with its layers unless --layers is given; 16 "
                    "where no candidate qualifies)")
@@ -31,12 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train these layers' projections in full instead of LoRA adapters, e.g. 0-1 "
                         "(stored as deltas; served as exact full-rank adapters)")
     p.add_argument("--lora-layers", default=None, help="put the LoRA adapters in these layers only, e.g. 20-29 "
-                                                      "(default: every layer)")
-    p.add_argument("--own-answers", action="store_true", default=None,
-                   help="distil along the model's own answers where they state the record's `fact`")
-    p.add_argument("--retain-own-answers", action="store_true", default=None,
+                                                      "(default: lethe, the tempered layers; minimal, every layer)")
+    p.add_argument("--own-answers", action=argparse.BooleanOptionalAction, default=None,
+                   help="distil along the model's own answers where they state the record's `fact` (default: on "
+                        "with --preset lethe)")
+    p.add_argument("--retain-own-answers", action=argparse.BooleanOptionalAction, default=None,
                    help="hold the student to the original along its own answers to the retain questions "
-                        "(with --retain-loss kl)")
+                        "(with --retain-loss kl; default: on with --preset lethe and kl)")
     p.add_argument("--distil", choices=["answer", "fact", "fact-out"], default=None,
                    help="where the student follows the teacher: every answer token (answer, the default) or the "
                         "fact's tokens only (fact; fact-out: the fact's tokens also taken out of the original's "
@@ -50,13 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retain-subspace", type=float, default=None,
                    help="the adapters read their inputs with the retain set's main directions projected out: the "
                         "share of the retain inputs' energy they hold, e.g. 0.99 (default 0: off)")
-    p.add_argument("--gate", action="store_true", default=None,
-                   help="train a gate with the adapters (needs --lora-layers): the adapter acts only at the tokens "
-                        "it calls forget-like; the torch engine serves it, llama.cpp refuses it")
-    p.add_argument("--retain-loss", choices=["gd", "kl"], default="gd")
-    p.add_argument("--retain-weight", type=float, default=1.0)
+    p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None,
+                   help="train a gate with the adapters (needs adapters in chosen layers): the adapter acts only at "
+                        "the tokens it calls forget-like; the torch engine serves it, llama.cpp refuses it (default: "
+                        "on with --preset lethe where the adapters start past the first layer)")
+    p.add_argument("--retain-loss", choices=["gd", "kl"], default=None, help="default: kl (lethe), gd (minimal)")
+    p.add_argument("--retain-weight", type=float, default=None, help="default: 5 (lethe), 1 (minimal)")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--steps", type=int, default=300, help="at most; stops early when the forget KL stalls")
+    p.add_argument("--steps", type=int, default=None, help="at most; stops early when the forget KL stalls "
+                                                           "(default: 100 (lethe), 300 (minimal))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     _add_format_arg(p)
@@ -85,29 +93,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_asu_train(args) -> int:
-    from lethe.heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.distill import train_asu
+    from lethe.heads.asu.presets import FIELDS, configure, record
     from lethe.heads.asu.weights import save_asu
 
     lm, forget, retain = _offline_inputs(args, "asu train")
-    cfg = ASUConfig(layers=args.layers, lora_rank=args.lora_rank, full_layers=args.full_layers,
-                    lora_layers=args.lora_layers, own_answers=bool(args.own_answers),
-                    retain_own_answers=bool(args.retain_own_answers), distil=args.distil or "answer",
-                    contexts=args.contexts or 0.0,
-                    student_answers=args.student_answers or 0, retain_subspace=args.retain_subspace or 0.0,
-                    gate=bool(args.gate), retain_loss=args.retain_loss,
-                    retain_weight=args.retain_weight, lr=args.lr, steps=args.steps, seed=args.seed, format=args.format)
-    teacher = None
-    if args.tau is None:
-        from lethe.heads.asu.teacher import choose_teacher
-
-        cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format)
-        if not args.quiet:
-            print(f"teacher: tau {cfg.tau:g} on layers {cfg.layers or 'all'} ({teacher['reason']})", file=sys.stderr)
-    else:
-        cfg.tau = args.tau
+    cfg, teacher = configure(lm, forget, {k: getattr(args, k) for k in FIELDS}, args.preset)
+    if teacher is not None and not args.quiet:
+        print(f"teacher: tau {cfg.tau:g} on layers {cfg.layers or 'all'} ({teacher['reason']})", file=sys.stderr)
     tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
-    if teacher is not None:
-        info.metrics["teacher"] = teacher
+    record(info, args.preset, teacher)
     save_asu(args.out, tensors, info)
     base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size,

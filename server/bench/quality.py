@@ -82,14 +82,15 @@ def markdown_row(label: str, report: dict) -> str:
 
 
 def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 16.0), cfg: EvalConfig | None = None,
-              log=print) -> list[tuple[str, dict]]:
-    """Full model, reference, T3 default, ASU at each tau, ASU (last tau) + T3: with training times."""
+              log=print, preset: str | None = "lethe") -> list[tuple[str, dict]]:
+    """Full model, reference, T3 default, ASU at each tau (the minimal preset's other settings), ASU (last tau) + T3,
+    and ASU with a preset's defaults (`heads.asu.presets`; None: not): with training times."""
     import time
     from dataclasses import replace as dc_replace
 
     from lethe.heads.asu.distill import ASUConfig, train_asu
-
-    from lethe.heads.asu.weights import attach, unload
+    from lethe.heads.asu.presets import configure
+    from lethe.heads.asu.weights import attach, default_repeat_guard, unload
 
     cfg = cfg or EvalConfig()
     vocab = corpus_vocabulary(forget + retain)
@@ -109,14 +110,21 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
     add("reference (retain-only model)", reference, Profile("reference"), None)
     add("T3 default", lm, Profile("t3", head, PRESETS["default"]), t3_seconds)
     trained = [train_asu(lm, forget, retain, ASUConfig(tau=tau), progress=False) for tau in taus]  # on the clean base
+    if preset:  # the job's defaults: the teacher's pick and the preset's settings (heads.asu.presets)
+        asu_cfg, _ = configure(lm, forget, {}, preset)
+        trained.append(train_asu(lm, forget, retain, asu_cfg, progress=False))
     model = lm.model
-    for tau, (tensors, info) in zip(taus, trained):
-        name = f"asu_tau{int(tau)}"
+    for i, (tensors, info) in enumerate(trained):
+        name = f"asu_{i}"
         model = attach(model, name, tensors, info)
         model.set_adapter(name)
-        add(f"ASU tau={tau:g} ({info.steps} steps)", dc_replace(lm, model=model), Profile(name), info.metrics["seconds"])
-    add(f"ASU tau={taus[-1]:g} + T3 default", dc_replace(lm, model=model), Profile("asu+t3", head, PRESETS["default"]),
-        info.metrics["seconds"] + t3_seconds)
+        label = f"ASU tau={info.tau:g} ({info.steps} steps)" if i < len(taus) else \
+            f"ASU preset {preset} (tau={info.tau:g}{', gated' if info.gate else ''}, {info.steps} steps)"
+        add(label, dc_replace(lm, model=model), Profile(name, adapter=name, repeat_guard=default_repeat_guard(info)),
+            info.metrics["seconds"])
+        if i == len(taus) - 1:
+            add(f"ASU tau={taus[-1]:g} + T3 default", dc_replace(lm, model=model),
+                Profile("asu+t3", head, PRESETS["default"], adapter=name), info.metrics["seconds"] + t3_seconds)
     unload(model)
     return rows
 

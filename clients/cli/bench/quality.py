@@ -83,7 +83,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--forget", type=Path, required=True)
     p.add_argument("--retain", type=Path, required=True)
     p.add_argument("--reference-model", type=Path, required=True)
-    p.add_argument("--tau", type=float, nargs="+", default=[4.0, 16.0])
+    p.add_argument("--tau", type=float, nargs="+", default=[4.0, 16.0], help="ASU at each tau with the minimal "
+                   "preset's other settings (default 4 16)")
+    p.add_argument("--preset", choices=["lethe", "minimal", "none"], default="lethe", help="also ASU with this "
+                   "preset's defaults and the teacher's pick, as a job that names no setting trains it (none: not)")
     p.add_argument("--out", type=Path, help="JSON reports (and a .md table beside it)")
     p.set_defaults(func=cmd_bench_asu)
 
@@ -166,6 +169,7 @@ def cmd_bench_asu(args) -> int:
     from lethe.server.bench.quality import asu_header, asu_row, asu_table
     from lethe.heads.evaluation.evaluate import EvalConfig
 
+    preset = None if args.preset == "none" else args.preset
     _table_run(args, asu_header, asu_row, lambda lm, ref, f, r, log: asu_table(
-        lm, ref, f, r, tuple(args.tau), EvalConfig(seeds=()), log=log))
+        lm, ref, f, r, tuple(args.tau), EvalConfig(seeds=()), log=log, preset=preset))
     return 0

@@ -1,0 +1,52 @@
+"""ASU's presets (heads/asu/presets.py): what a job or `lethe asu train` distils with where it is not told."""
+
+import pytest
+
+from lethe.heads.asu.presets import after_teacher, before_teacher
+
+
+def test_the_default_preset_is_the_recipe_measured_best_and_minimal_is_the_release_before():
+    lethe = before_teacher("lethe", {})
+    assert (lethe.retain_loss, lethe.retain_weight, lethe.steps, lethe.own_answers, lethe.retain_own_answers) == \
+        ("kl", 5.0, 100, True, True)
+    minimal = before_teacher("minimal", {})
+    assert (minimal.retain_loss, minimal.retain_weight, minimal.steps, minimal.own_answers,
+            minimal.retain_own_answers, minimal.gate, minimal.lora_layers) == ("gd", 1.0, 300, False, False, False,
+                                                                               None)
+
+
+def test_a_given_setting_wins_and_retain_own_answers_follows_the_retain_loss():
+    cfg = before_teacher("lethe", {"steps": 7, "own_answers": False, "retain_weight": None, "retain_loss": "gd"})
+    assert (cfg.steps, cfg.own_answers, cfg.retain_weight, cfg.retain_loss) == (7, False, 5.0, "gd")
+    assert cfg.retain_own_answers is False, "gd with the model's own retain answers would teach them"
+    assert before_teacher("minimal", {"retain_loss": "kl"}).retain_own_answers is False  # minimal: off anyway
+    with pytest.raises(ValueError, match="preset"):
+        before_teacher("best", {})
+    with pytest.raises(ValueError, match="temperature"):
+        before_teacher("lethe", {"temperature": 2})
+
+
+@pytest.mark.parametrize("tempered, given, lora_layers, gate", [
+    ("20-29", {}, "20-29", True),  # SmolLM2's pick: adapters where the teacher tempers, gated
+    (None, {}, None, False),  # every layer tempered: adapters everywhere, no gate (it would read the embeddings)
+    ("0-29", {}, None, False),
+    ("0-9", {}, "0-9", False),  # adapters from the first layer: no gate either
+    ("20-29", {"lora_layers": "25-29"}, "25-29", True),
+    ("20-29", {"gate": False}, "20-29", False),
+    ("0-9", {"lora_layers": "5-9", "gate": None}, "5-9", True),
+])
+def test_the_lethe_preset_puts_the_adapters_in_the_tempered_layers_and_gates_them_past_the_first(
+        tempered, given, lora_layers, gate):
+    cfg = before_teacher("lethe", given)
+    cfg.layers = tempered
+    cfg = after_teacher("lethe", given, cfg, num_layers=30)
+    assert (cfg.lora_layers, cfg.gate) == (lora_layers, gate)
+
+
+def test_minimal_and_full_layers_keep_what_they_were_given():
+    cfg = before_teacher("minimal", {})
+    cfg.layers = "20-29"
+    assert (after_teacher("minimal", {}, cfg, 30).lora_layers, cfg.gate) == (None, False)
+    full = before_teacher("lethe", {"full_layers": "1"})
+    full.layers = "20-29"
+    assert (after_teacher("lethe", {"full_layers": "1"}, full, 30).lora_layers, full.gate) == (None, False)
