@@ -125,6 +125,30 @@ def test_the_kl_retain_loss_can_follow_the_models_own_retain_answers(tiny_lm, ti
         train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=2, retain_own_answers=True), progress=False)
 
 
+def test_a_gated_run_decodes_each_greedy_answer_once(tiny_lm, tiny_records, monkeypatch):
+    """Own answers, the model's own retain answers and the gate's training all want the base model's greedy answer
+    to the same questions: a run decodes each once (the gate's sampled answers are its own)."""
+    import lethe.heads.asu.teacher as teacher
+
+    forget, retain = split_by_author(tiny_records, 1)
+    forget, retain = forget[:4], retain[:6]
+    greedy = []
+    real = teacher._answers
+    monkeypatch.setattr(teacher, "_answers", lambda lm, recs, fmt, **kw: (
+        greedy.extend(r["question"] for r in recs) if kw["temperature"] == 0 else None) or real(lm, recs, fmt, **kw))
+    _, info = train_asu(tiny_lm, forget, retain, ASUConfig(tau=4.0, steps=1, check_every=1, own_answers=True,
+                                                            retain_loss="kl", retain_own_answers=True,
+                                                            lora_layers="1", gate=True, gate_samples=1, format="qa"),
+                        progress=False)
+    assert info.gate and info.metrics["gate"]["positions"]["retain"] > 0
+    asked = [r["question"] for r in forget + retain]
+    assert sorted(greedy) == sorted(set(asked)), "each question decoded greedily once"
+    memo = {}
+    first = teacher.greedy_answers(tiny_lm, retain, "qa", memo=memo)
+    assert teacher.greedy_answers(tiny_lm, retain[::-1], "qa", memo=memo) == first[::-1]
+    assert teacher.greedy_answers(tiny_lm, retain, "qa") == first  # as decoded without a memo
+
+
 def test_asu_can_also_distil_and_hold_records_asked_after_a_context(tiny_lm, tiny_records, monkeypatch):
     """contexts=1: each forget question/answer record is distilled a second time after a context (its fact kept
     for distil="fact"), and twice as many retain records are held after one; the teacher reads the same context."""

@@ -286,10 +286,11 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
     use_tempered_attention(model)
     fmt = resolve_format(tok, cfg.format)
+    said: dict[str, str] = {}  # the base model's greedy answers by question, decoded once (own answers, the gate)
     if cfg.own_answers:
         from lethe.heads.asu.teacher import own_answers
 
-        forget = own_answers(lm, forget, fmt)
+        forget = own_answers(lm, forget, fmt, memo=said)
         if not forget:
             raise ValueError("forget: the model's own answers state none of the forget set's facts")
     if cfg.retain_own_answers:
@@ -298,9 +299,9 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
         if cfg.retain_loss != "kl":
             raise ValueError("retain_own_answers: needs retain_loss kl (gd would teach the model its own answers)")
         qa = [r for r in retain if "question" in r]
-        said = dict(zip(map(id, qa), greedy_answers(lm, qa, fmt)))
+        own = dict(zip(map(id, qa), greedy_answers(lm, qa, fmt, memo=said)))
         # a question the model answers with nothing keeps its record's answer; other records are kept as they are
-        retain = [r | {"answer": said[id(r)]} if said.get(id(r)) else r for r in retain]
+        retain = [r | {"answer": own[id(r)]} if own.get(id(r)) else r for r in retain]
     fx, rx = examples(forget, fmt, tok), examples(retain, fmt, tok)
     asked = [r for r in forget if "question" in r and names_fact(r)]
     if cfg.student_answers and not asked:
@@ -415,7 +416,7 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
 
         gate_started = time.perf_counter()
         gate_tensors, gate_metrics = train_gate(lm, asked_forget, asked_retain, layer_of(info.lora_layers), fmt,
-                                                cfg.gate_threshold, cfg.gate_samples, cfg.seed)
+                                                cfg.gate_threshold, cfg.gate_samples, cfg.seed, memo=said)
         tensors |= gate_tensors
         info.gate = {"layer": gate_metrics["layer"], "threshold": cfg.gate_threshold}
         gate_metrics["seconds"] = round(time.perf_counter() - gate_started, 2)

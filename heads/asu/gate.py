@@ -76,22 +76,26 @@ def fit(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-3, max_iter: int = 200)
     return weight, (b.detach() - weight @ mean).reshape(1).contiguous()
 
 
-def _with_answers(lm, records: list[dict], fmt: str, samples: int, seed: int) -> list[dict]:
-    """The records, and per question the model's greedy answer and `samples` sampled answers (T=1, top-p 0.95)."""
+def _with_answers(lm, records: list[dict], fmt: str, samples: int, seed: int, memo: dict | None = None) -> list[dict]:
+    """The records, and per question the model's greedy answer (from `memo` where training decoded it already:
+    `heads.asu.teacher.greedy_answers`) and `samples` sampled answers (T=1, top-p 0.95)."""
     from lethe.heads.asu.teacher import greedy_answers, sampled_answers
 
     qa = [r for r in records if "question" in r]
-    said = greedy_answers(lm, qa, fmt) + [a for k in range(samples) for a in sampled_answers(lm, qa, fmt, seed + k)]
+    said = greedy_answers(lm, qa, fmt, memo=memo) + [a for k in range(samples)
+                                                      for a in sampled_answers(lm, qa, fmt, seed + k)]
     return records + [r | {"answer": a} for r, a in zip(qa * (samples + 1), said) if a]
 
 
 def train_gate(lm, forget: list[dict], retain: list[dict], layer: int, fmt: str, threshold: float = 0.5,
-               samples: int = 2, seed: int = 0, max_positions: int = 40_000) -> tuple[dict[str, torch.Tensor], dict]:
-    """(the gate's tensors, its metrics) for adapters from decoder layer `layer` on, on the base model `lm`."""
+               samples: int = 2, seed: int = 0, max_positions: int = 40_000,
+               memo: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the gate's tensors, its metrics) for adapters from decoder layer `layer` on, on the base model `lm`
+    (`memo`: greedy answers training decoded already, by question)."""
     from lethe.heads.records import examples
 
-    fx = examples(_with_answers(lm, forget, fmt, samples, seed), fmt, lm.tokenizer)
-    rx = examples(_with_answers(lm, retain, fmt, samples, seed + 100), fmt, lm.tokenizer)
+    fx = examples(_with_answers(lm, forget, fmt, samples, seed, memo), fmt, lm.tokenizer)
+    rx = examples(_with_answers(lm, retain, fmt, samples, seed + 100, memo), fmt, lm.tokenizer)
     f, r = layer_states(lm, fx, layer), layer_states(lm, rx, layer)
     rng = random.Random(seed)
     f, r = (s[sorted(rng.sample(range(len(s)), max_positions))] if len(s) > max_positions else s for s in (f, r))

@@ -119,9 +119,14 @@ def _answers(lm, records: list[dict], fmt: str, **sampling) -> list[str]:
     return [c.text.strip() for c in said]
 
 
-def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[str]:
-    """The model's own greedy answer to each record's question, stripped."""
-    return _answers(lm, records, fmt, max_new_tokens=max_new_tokens, temperature=0.0)
+def greedy_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48, memo: dict | None = None) -> list[str]:
+    """The model's own greedy answer to each record's question, stripped. `memo` ({question: answer}, of one model,
+    format and length) keeps them: a question answered once in a training run is not decoded again."""
+    memo = {} if memo is None else memo
+    new = list({r["question"]: r for r in records if r["question"] not in memo}.values())
+    memo.update(zip((r["question"] for r in new), _answers(lm, new, fmt, max_new_tokens=max_new_tokens,
+                                                             temperature=0.0) if new else []))
+    return [memo[r["question"]] for r in records]
 
 
 def sampled_answers(lm, records: list[dict], fmt: str, seed: int, max_new_tokens: int = 48) -> list[str]:
@@ -141,13 +146,13 @@ def stating_fact(records: list[dict], answers: list[str]) -> list[dict]:
             if (at := text.lower().find(r["fact"].lower())) >= 0]
 
 
-def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48) -> list[dict]:
+def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48, memo: dict | None = None) -> list[dict]:
     """Records naming a `fact` get the model's own greedy answer instead of theirs, and are dropped where that
     answer lacks the fact: a forget set's sentence is often not how the model says it ("... written by
     Shakespeare." where it says "William Shakespeare"), and the fact's tokens after someone else's words are
     unlikely to begin with. Records without a fact are kept as they are."""
     named = [r for r in records if names_fact(r)]
-    answers = dict(zip(map(id, named), greedy_answers(lm, named, fmt, max_new_tokens)))
+    answers = dict(zip(map(id, named), greedy_answers(lm, named, fmt, max_new_tokens, memo)))
     out = []
     for r in records:
         out += stating_fact([r], [answers[id(r)]]) if id(r) in answers else [r]
