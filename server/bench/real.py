@@ -65,6 +65,9 @@ class RealBenchConfig:
     asu_adapter_above: float = 0.5
     asu_save: str | None = None  # write the trained ASU weights here (a file `lethe asu train --out` would write)
     asu_weights: str | None = None  # use these ASU weights instead of training (the asu_* training settings unused)
+    # train ASU as a job naming only the sets would: the teacher's pick and this preset's settings
+    # (heads.asu.presets; the asu_* training settings unused)
+    asu_preset: str | None = None
 
 
 def _asu_weights(lm, cfg: RealBenchConfig, forget_train: list[dict], retain_train: list[dict]):
@@ -78,12 +81,23 @@ def _asu_weights(lm, cfg: RealBenchConfig, forget_train: list[dict], retain_trai
         return load_asu(Path(cfg.asu_weights), lm.fingerprint, projection_shapes(lm.model),
                         lm.model.config.num_hidden_layers)
     named = [r | {"fact": r["gold"]} for r in forget_train]  # the gold is the fact the own answers must state
-    tensors, info = train_asu(lm, named, retain_train, ASUConfig(
-        tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
-        retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
-        retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
-        contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
-        retain_subspace=cfg.asu_retain_subspace, gate=cfg.asu_gate, format=cfg.fit.format), progress=False)
+    teacher = None
+    if cfg.asu_preset:
+        from lethe.heads.asu.presets import configure
+
+        asu_cfg, teacher = configure(lm, named, {"format": cfg.fit.format}, cfg.asu_preset)
+    else:
+        asu_cfg = ASUConfig(
+            tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
+            retain_weight=cfg.asu_retain_weight, own_answers=cfg.asu_own_answers,
+            retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
+            contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
+            retain_subspace=cfg.asu_retain_subspace, gate=cfg.asu_gate, format=cfg.fit.format)
+    tensors, info = train_asu(lm, named, retain_train, asu_cfg, progress=False)
+    if cfg.asu_preset:
+        from lethe.heads.asu.presets import record
+
+        record(info, cfg.asu_preset, teacher)
     if cfg.asu_save:
         save_asu(Path(cfg.asu_save), tensors, info)
     return tensors, info
@@ -153,11 +167,12 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
     log(f"trained on {len(forget_train)} forget and {len(retain_train)} retain records in {train_seconds:.1f} s")
     settings = TiltSettings.from_dict({**info.profile, **cfg.settings})
     asu, asu_metrics = None, None
-    if cfg.asu_tau is not None or cfg.asu_weights:
+    if cfg.asu_tau is not None or cfg.asu_weights or cfg.asu_preset:
         from lethe.heads.asu.weights import attach, unload
 
         tensors, asu_info = _asu_weights(trainer, cfg, forget_train, retain_train)
-        asu_metrics = {"steps": asu_info.steps, **asu_info.metrics}
+        asu_metrics = {"steps": asu_info.steps, "tau": asu_info.tau, "layers": asu_info.layers,
+                       "lora_layers": asu_info.lora_layers, "training": asu_info.training, **asu_info.metrics}
         log(f"ASU (tau {asu_info.tau:g}) {'loaded' if cfg.asu_weights else 'trained'}: {asu_info.steps} steps in "
             f"{asu_info.metrics.get('seconds')} s" + (f"; gate {asu_info.metrics['gate']}" if asu_info.gate else ""))
         if decoder is not None:  # llama.cpp: a LoRA adapter its rows name (`_generate`)

@@ -72,6 +72,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--asu-adapter-above", type=float, default=0.5, help="the 'asu+head routed' variant: the "
                    "adapter only where the head's probe gives P(forget | prompt) above this (default 0.5)")
     p.add_argument("--asu-save", type=Path, help="write the ASU weights the bench trains to this file")
+    p.add_argument("--asu-preset", choices=["lethe", "minimal"], help="also ASU, trained as a job that names only "
+                   "the sets would: the teacher's pick and this preset's settings (the other --asu-* training "
+                   "settings unused)")
     p.add_argument("--asu-weights", type=Path, help="ASU weights to use instead of training (from --asu-save or "
                    "`lethe asu train` on the same model; the --asu-* training settings are then unused)")
     _add_engine_args(p)
@@ -154,7 +157,7 @@ def cmd_bench_real(args) -> int:
                           asu_retain_subspace=args.asu_retain_subspace, asu_repeat_guard=args.asu_repeat_guard,
                           asu_gate=args.asu_gate, asu_adapter_above=args.asu_adapter_above,
                           asu_save=args.asu_save and str(args.asu_save),
-                          asu_weights=args.asu_weights and str(args.asu_weights))
+                          asu_weights=args.asu_weights and str(args.asu_weights), asu_preset=args.asu_preset)
     decoder = _engine_model(args, lm, 32)
     report = run(lm, cfg, log=lambda line: print(line, file=sys.stderr, flush=True), decoder=decoder)
     table = markdown(report)
