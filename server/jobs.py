@@ -365,7 +365,7 @@ class JobRunner:
 
     def _train_asu(self, job: dict, cancel: threading.Event) -> None:
         from lethe.heads.asu.distill import train_asu
-        from lethe.heads.asu.presets import FIELDS, configure, record
+        from lethe.heads.asu.presets import FIELDS, configure, preset_of, record
         from lethe.heads.asu.weights import save_asu
 
         job_id, tenant_id = job["id"], job["tenant_id"]
@@ -374,9 +374,10 @@ class JobRunner:
                                                    "distilling": (0.2, 0.95)})
         progress("copying", 0.0)
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
-        preset = params.get("preset", "minimal")  # a job queued before presets had the minimal preset's defaults
+        preset = preset_of(params)
         cfg, teacher = configure(lm, forget, {k: params.get(k) for k in FIELDS}, preset,
-                                 on_progress=lambda f: progress("teacher", f))
+                                 on_progress=lambda f: progress("teacher", f),
+                                 gate_servable=self.engine.decoder is None)  # llama.cpp serves no gated adapter
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
                                   on_progress=lambda f: progress("distilling", f))
         record(info, preset, teacher)

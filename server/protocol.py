@@ -211,10 +211,11 @@ class ASUJobRequest(Strict):
         "retain inputs' energy those directions hold, per adapted projection (0.99); 0 (the default): off. Not "
         "with `full_layers`."))
     gate: bool | None = Field(None, description=(
-        "Train a gate with the adapters: a linear probe on the state entering the first of `lora_layers` (which it "
-        "needs), so the adapter acts only at the tokens it calls forget-like and every other token decodes on the "
-        "base weights. Served on the torch engine only. Default: with preset lethe, on where the adapters' first "
-        "layer is not the model's first."))
+        "Train a gate with the adapters: a linear probe on the state entering the first of `lora_layers` (given, or "
+        "with preset lethe the tempered layers where they are not every layer), so the adapter acts only at the "
+        "tokens it calls forget-like and every other token decodes on the base weights. Served on the torch engine "
+        "only (a llama.cpp server refuses it). Default: with preset lethe on the torch engine, on where the "
+        "adapters' first layer is not the model's first."))
     retain_loss: Literal["gd", "kl"] | None = Field(None, description="Default: kl with preset lethe, gd with minimal.")
     retain_weight: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
                                         description="Default: 5 with preset lethe, 1 with minimal.")

@@ -203,8 +203,11 @@ def train_asu(body: ASUJobRequest, request: Request, tenant_id: str = Depends(te
     if body.lora_layers is not None and body.full_layers is not None:
         raise field_error("lora_layers", "lora_layers places LoRA adapters; full_layers trains projections in full "
                                          "instead: give one of them")
-    if body.gate and body.lora_layers is None:
+    if body.gate and body.lora_layers is None and (body.preset != "lethe" or body.full_layers is not None):
+        # (preset lethe puts the adapters in the teacher's tempered layers: train_asu refuses a gate if those are all)
         raise field_error("gate", "needs lora_layers (the gate reads the state entering the first adapted layer)")
+    if body.gate and request.app.state.engine.decoder is not None:
+        raise field_error("gate", "the llama.cpp engine serves no gated adapter (its LoRA acts on every token)")
     if body.retain_subspace and body.full_layers is not None:
         raise field_error("retain_subspace", "projects LoRA adapters' inputs; full_layers trains no adapter")
     if body.retain_own_answers and (body.retain_loss or PRESETS[body.preset]["retain_loss"]) != "kl":

@@ -459,7 +459,7 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
                          ({"student_answers": 1, "forget": unnamed}, "student_answers"),
                          ({"retain_subspace": 1.0}, "retain_subspace"),
                          ({"lora_layers": None, "full_layers": "1", "gate": False}, "retain_subspace"),
-                         ({"lora_layers": None}, "gate")):
+                         ({"lora_layers": None, "preset": "minimal"}, "gate")):
         refused = a.post("/v1/asu", json=tuned | wrong)
         assert refused.status_code == 422 and refused.json()["detail"][0]["loc"][-1] == field, refused.text
     tuned = _wait_job(a, a.post("/v1/asu", json=tuned).json()["id"])
@@ -474,6 +474,14 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     kept = made["metrics"]["examples"]["forget"] // 2
     assert 0 < kept <= len(tenant_a["forget"])
     assert made["metrics"]["examples"] == {"forget": 2 * kept, "retain": len(tenant_a["retain"]) + 2 * kept}
+    # by default (preset lethe) the adapters go where the teacher tempers, gated where that is past the first layer
+    gated = _wait_job(a, a.post("/v1/asu", json={"forget": forget_id, "retain": retain_id, "steps": 2, "tau": 4,
+                                                 "layers": "1"}).json()["id"])
+    assert gated["status"] == "succeeded", gated
+    made = a.get(f"/v1/asu/{gated['weights']}").json()
+    assert (made["lora_layers"], made["gate"], made["training"]["gate"]) == ([1], {"layer": 1, "threshold": 0.5}, True)
+    assert a.put("/v1/profiles/gated", json={"backend": "asu", "weights": made["id"]}).json()["spec"][
+        "repeat_guard"] == 3, "a gated adapter alone guards its rows' repeats by default"
     full_training = a.get(f"/v1/asu/{state['weights']}").json()["training"]
     assert (full_training["preset"], full_training["retain_loss"], full_training["own_answers"]) == \
         ("minimal", "gd", False)

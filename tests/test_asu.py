@@ -148,9 +148,10 @@ def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path)
     minimal = tmp_path / "minimal.safetensors"
     assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
                  "--retain", str(tmp_path / "retain.jsonl"), "--preset", "minimal", "--tau", "16", "--steps", "2",
-                 "--no-own-answers", "--quiet", "--out", str(minimal)]) == 0
+                 "--quiet", "--out", str(minimal)]) == 0
     info = load_asu(minimal)[1]
-    assert (info.training["preset"], info.training["retain_loss"], info.lora_layers) == ("minimal", "gd", [])
+    assert (info.training["preset"], info.training["retain_loss"], info.training["own_answers"], info.lora_layers) == \
+        ("minimal", "gd", False, [])
     assert main(["generate", "--model", str(tiny_model_dir), "--asu", str(out), "Question: hello\nAnswer:"]) == 0
     report = tmp_path / "r.json"
     assert main(["eval", "--model", str(tiny_model_dir), "--asu", str(out), "--forget", str(tmp_path / "forget.jsonl"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lethe.heads.asu.presets import after_teacher, before_teacher
+from lethe.heads.asu.presets import after_teacher, before_teacher, preset_of
 
 
 def test_the_default_preset_is_the_recipe_measured_best_and_minimal_is_the_release_before():
@@ -20,6 +20,10 @@ def test_a_given_setting_wins_and_retain_own_answers_follows_the_retain_loss():
     assert (cfg.steps, cfg.own_answers, cfg.retain_weight, cfg.retain_loss) == (7, False, 5.0, "gd")
     assert cfg.retain_own_answers is False, "gd with the model's own retain answers would teach them"
     assert before_teacher("minimal", {"retain_loss": "kl"}).retain_own_answers is False  # minimal: off anyway
+    # own answers by default fall back to the set's answers where the model states none of the facts; asked, not
+    assert before_teacher("lethe", {}).own_answers_fallback is True
+    assert before_teacher("lethe", {"own_answers": True}).own_answers_fallback is False
+    assert before_teacher("minimal", {}).own_answers_fallback is False
     with pytest.raises(ValueError, match="preset"):
         before_teacher("best", {})
     with pytest.raises(ValueError, match="temperature"):
@@ -50,3 +54,15 @@ def test_minimal_and_full_layers_keep_what_they_were_given():
     full = before_teacher("lethe", {"full_layers": "1"})
     full.layers = "20-29"
     assert (after_teacher("lethe", {"full_layers": "1"}, full, 30).lora_layers, full.gate) == (None, False)
+
+
+def test_the_gate_defaults_to_off_where_the_engine_cannot_serve_it():
+    cfg = before_teacher("lethe", {})
+    cfg.layers = "20-29"
+    cfg = after_teacher("lethe", {}, cfg, 30, gate_servable=False)
+    assert (cfg.lora_layers, cfg.gate) == ("20-29", False)
+
+
+def test_a_job_queued_before_presets_keeps_the_defaults_of_its_day():
+    assert preset_of({"tau": None, "steps": 300, "retain_loss": "gd"}) == "minimal"
+    assert preset_of({"preset": "lethe"}) == "lethe" and preset_of({"preset": "minimal"}) == "minimal"

@@ -98,6 +98,14 @@ def test_asu_can_distil_along_the_models_own_answers(tiny_lm, tiny_records):
     unknown = [r | {"fact": "Zzyzxquorble"} for r in forget]
     with pytest.raises(ValueError, match="none of the forget set's facts"):
         train_asu(tiny_lm, unknown, retain, ASUConfig(tau=4.0, steps=2, own_answers=True), progress=False)
+    # own answers by a preset's default, not asked for: the set's own answers instead, and the metrics say so
+    _, fell_back = train_asu(tiny_lm, unknown, retain, ASUConfig(tau=4.0, steps=2, check_every=1, own_answers=True,
+                                                                 own_answers_fallback=True), progress=False)
+    assert "state none of the facts" in fell_back.metrics["own_answers"]
+    assert fell_back.metrics["examples"]["forget"] == len(unknown)
+    # a record naming a fact but asking no question is kept as it is (there is nothing to ask the model)
+    assert own_answers(tiny_lm, [{"text": "Ada was born in Paris.", "fact": "Paris"}], "qa") == \
+        [{"text": "Ada was born in Paris.", "fact": "Paris"}]
 
 
 def test_the_kl_retain_loss_can_follow_the_models_own_retain_answers(tiny_lm, tiny_records, monkeypatch):

@@ -3,6 +3,7 @@ a row decodes in a batch as it would alone, heads tilt per row, sequences are fr
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -191,6 +192,12 @@ def test_the_server_decodes_with_llama_cpp(real_lm, llama, capitals_head, tmp_pa
         refused = alice.put("/v1/profiles/full", json={"backend": "asu", "weights": weights.json()["id"]})
         assert refused.status_code == 422 and "llama.cpp" in refused.text, refused.text
         assert refused.json()["detail"][0]["loc"][-1] == "weights"
+        # an ASU job asking for a gate this engine could not serve is refused before it trains
+        sets = [alice.post("/v1/datasets", content=json.dumps({"question": "Q?", "answer": "A."}) + "\n").json()["id"]
+                for _ in range(2)]
+        gated = alice.post("/v1/asu", json={"forget": sets[0], "retain": sets[1], "gate": True, "lora_layers": "20-29"})
+        assert gated.status_code == 422 and gated.json()["detail"][0]["loc"][-1] == "gate", gated.text
+        assert "llama.cpp" in gated.text
 
 
 def test_bench_engine_times_the_llama_cpp_engine_beside_llama_cpp(llama, tmp_path):

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--forget", required=True, help="JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--retain", required=True, help="JSON Lines file (or, with --url, a dataset id)")
     p.add_argument("--wait", action="store_true", help="with --url: follow the job to its end")
-    p.add_argument("--preset", choices=["lethe", "minimal"], default="lethe",
+    p.add_argument("--preset", choices=["lethe", "minimal"], default=None,
                    help="the settings not given: lethe (default), the recipe measured best on SmolLM2 (adapters in "
                         "the tempered layers, own answers, KL retain loss weight 5 along the model's own retain "
                         "answers, 100 steps, a gate where the adapters start past the first layer); minimal, the "
@@ -94,15 +94,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_asu_train(args) -> int:
     from lethe.heads.asu.distill import train_asu
-    from lethe.heads.asu.presets import FIELDS, configure, record
+    from lethe.heads.asu.presets import DEFAULT, FIELDS, configure, record
     from lethe.heads.asu.weights import save_asu
 
     lm, forget, retain = _offline_inputs(args, "asu train")
-    cfg, teacher = configure(lm, forget, {k: getattr(args, k) for k in FIELDS}, args.preset)
+    preset = args.preset or DEFAULT
+    cfg, teacher = configure(lm, forget, {k: getattr(args, k) for k in FIELDS}, preset)
     if teacher is not None and not args.quiet:
         print(f"teacher: tau {cfg.tau:g} on layers {cfg.layers or 'all'} ({teacher['reason']})", file=sys.stderr)
     tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
-    record(info, args.preset, teacher)
+    record(info, preset, teacher)
     save_asu(args.out, tensors, info)
     base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size,

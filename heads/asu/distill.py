@@ -50,6 +50,9 @@ class ASUConfig:
     # distil along the model's own greedy answers where they state the record's `fact` (heads.asu.teacher's
     # own_answers), instead of the record's sentence, whose fact tokens the model may not expect at all
     own_answers: bool = False
+    # where the model's own answers state none of the facts: distil along the set's answers (a preset's default)
+    # instead of failing (asked for)
+    own_answers_fallback: bool = False
     # hold the student to the original along the model's own greedy answers to the retain questions (the text it
     # generates and drifts on), instead of the retain set's sentences; needs retain_loss kl
     retain_own_answers: bool = False
@@ -287,12 +290,18 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     use_tempered_attention(model)
     fmt = resolve_format(tok, cfg.format)
     said: dict[str, str] = {}  # the base model's greedy answers by question, decoded once (own answers, the gate)
+    own_answers_fell_back = False
     if cfg.own_answers:
         from lethe.heads.asu.teacher import own_answers
 
-        forget = own_answers(lm, forget, fmt, memo=said)
-        if not forget:
-            raise ValueError("forget: the model's own answers state none of the forget set's facts")
+        stated = own_answers(lm, forget, fmt, memo=said)
+        if stated:
+            forget = stated
+        elif not cfg.own_answers_fallback:
+            raise ValueError("forget: the model's own answers state none of the forget set's facts (distil along "
+                             "the set's answers: own_answers false)")
+        else:  # the preset's default, not asked for: the set's own answers, as without it
+            own_answers_fell_back = True
     if cfg.retain_own_answers:
         from lethe.heads.asu.teacher import greedy_answers
 
@@ -426,6 +435,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
                     "forget_kl_history": [[s, round(v, 5)] for s, v in history],
                     "adapter_parameters": sum(v.numel() for v in tensors.values()),
                     "examples": {"forget": len(fx), "retain": len(rx)}}
+    if own_answers_fell_back:
+        info.metrics["own_answers"] = "the model's own answers state none of the facts: the set's answers"
     if subspace:
         info.metrics["retain_subspace"] = subspace
     if gate_metrics:

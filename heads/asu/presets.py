@@ -11,7 +11,9 @@ contexts.
 `minimal` is the release before's: adapters in every layer, distilled along the forget set's own answers, the
 retain set's answers' NLL (`gd`, weight 1), 300 steps, no gate.
 
-A setting given (not None) always wins; `retain_own_answers` defaults to on only with the KL retain loss it needs.
+A setting given (not None) always wins; `retain_own_answers` defaults to on only with the KL retain loss it needs;
+own answers on by default fall back to the set's answers where the model's answers state none of the facts (asked
+for, that is an error); the gate defaults to off where the serving engine cannot serve it (llama.cpp).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ FIELDS = ("tau", "layers", "lora_rank", "full_layers", "lora_layers", "retain_lo
           "retain_subspace", "gate")  # what a request may give (ASUConfig's fields a job or the CLI takes)
 
 
+def preset_of(params: dict) -> str:
+    """The preset of an ASU job's stored request: its own, or `minimal` for a job queued before presets, whose
+    request held the minimal preset's values as the defaults of its day."""
+    return params.get("preset") or "minimal"
+
+
 def before_teacher(preset: str, given: dict) -> ASUConfig:
     """The ASU settings of `given` (None: not given), the rest from `preset`; tau, lora_layers and gate may still
     depend on the teacher's pick (`after_teacher`)."""
@@ -43,25 +51,28 @@ def before_teacher(preset: str, given: dict) -> ASUConfig:
     defaults = dict(PRESETS[preset])
     if values.get("retain_loss", defaults["retain_loss"]) != "kl":
         defaults["retain_own_answers"] = False
+    # own answers by default, not asked for: where the model states none of the facts, the set's answers instead
+    defaults["own_answers_fallback"] = defaults["own_answers"] and "own_answers" not in values
     return ASUConfig(**(defaults | values))
 
 
-def after_teacher(preset: str, given: dict, cfg: ASUConfig, num_layers: int) -> ASUConfig:
+def after_teacher(preset: str, given: dict, cfg: ASUConfig, num_layers: int,
+                  gate_servable: bool = True) -> ASUConfig:
     """`cfg` with the preset's lora_layers and gate where not given: under `lethe`, the adapters in the tempered
     layers and a gate where those are not every layer and do not start at the first (the gate reads the state
-    entering the first adapted layer)."""
+    entering the first adapted layer), and where the engine can serve one (`gate_servable`: llama.cpp cannot)."""
     if preset != "lethe" or cfg.full_layers is not None:
         return cfg
     if given.get("lora_layers") is None:
         tempered = parse_layers(cfg.layers, num_layers)
         cfg.lora_layers = None if len(tempered) == num_layers else cfg.layers
     if given.get("gate") is None:
-        cfg.gate = cfg.lora_layers is not None and min(parse_layers(cfg.lora_layers, num_layers)) > 0
+        cfg.gate = gate_servable and cfg.lora_layers is not None and min(parse_layers(cfg.lora_layers, num_layers)) > 0
     return cfg
 
 
-def configure(lm, forget: list[dict], given: dict, preset: str = DEFAULT,
-              on_progress=None) -> tuple[ASUConfig, dict | None]:
+def configure(lm, forget: list[dict], given: dict, preset: str = DEFAULT, on_progress=None,
+              gate_servable: bool = True) -> tuple[ASUConfig, dict | None]:
     """(the ASU settings a job or `lethe asu train` distils with, the teacher diagnostic's report or None): the
     given settings, the teacher's pick where no tau is given (`on_progress(fraction)` during it), the preset's
     values for the rest. The weights record the preset with their settings (`record`)."""
@@ -70,8 +81,10 @@ def configure(lm, forget: list[dict], given: dict, preset: str = DEFAULT,
     if given.get("tau") is None:
         from lethe.heads.asu.teacher import choose_teacher
 
+        if on_progress is not None:
+            on_progress(0.0)  # the teacher's phase starts (a job's cancellation point)
         cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format, on_progress=on_progress)
-    return after_teacher(preset, given, cfg, lm.model.config.num_hidden_layers), teacher
+    return after_teacher(preset, given, cfg, lm.model.config.num_hidden_layers, gate_servable), teacher
 
 
 def record(info, preset: str, teacher: dict | None):

@@ -150,8 +150,8 @@ def own_answers(lm, records: list[dict], fmt: str, max_new_tokens: int = 48, mem
     """Records naming a `fact` get the model's own greedy answer instead of theirs, and are dropped where that
     answer lacks the fact: a forget set's sentence is often not how the model says it ("... written by
     Shakespeare." where it says "William Shakespeare"), and the fact's tokens after someone else's words are
-    unlikely to begin with. Records without a fact are kept as they are."""
-    named = [r for r in records if names_fact(r)]
+    unlikely to begin with. Records without a fact, or without a question to ask, are kept as they are."""
+    named = [r for r in records if "question" in r and names_fact(r)]
     answers = dict(zip(map(id, named), greedy_answers(lm, named, fmt, max_new_tokens, memo)))
     out = []
     for r in records:
