@@ -53,6 +53,8 @@ class OwnModel:
     """The model of a process that runs jobs only (a Ray task): the job may use it as it is (`JobRunner`'s
     `engine` is else the serving engine, whose model a job only ever copies)."""
 
+    decoder = None  # what the replicas decode with instead of lm.model: nothing (Ray's replicas serve on torch)
+
     def __init__(self, lm):
         self.lm = lm
 
