@@ -37,3 +37,42 @@ def test_bench_continual_forgets_each_request_as_it_comes_and_keeps_the_groups_n
     assert all(isinstance(b["pass"], bool) for b in report["bars"])
     table = out.with_suffix(".md").read_text()
     assert "| after request | group 1 | group 2 |" in table and report["command"].startswith("lethe bench continual")
+
+
+def test_a_run_from_the_last_request_trains_once_on_the_union_of_every_group(tmp_path):
+    """`--from-request K`: no request trains on the one before, so a run from K asks the server for requests K..n
+    only, each on the union of groups 1..k, and reads the bars on the last; out of range is refused."""
+    from lethe.clients.cli import main
+    from lethe.server.bench.attacks import Facts
+    from lethe.server.bench.continual import ContinualBench, ContinualConfig
+
+    pool = [{"subject": f"s{i}", "question": f"q{i}", "answer": f"a{i}", "gold": f"a{i}"} for i in range(6)]
+    facts = Facts(chat=True, forget_train=pool, retain_train=[], forget=pool, retain=[], forget_pool=pool,
+                  retain_pool=[{"subject": "r", "question": "rq", "gold": "ra"}], options={}, known={})
+    trained = []
+
+    class Bench(ContinualBench):
+        def __init__(self, cfg):  # no server: what each request trains on, and fixed answers
+            self.continual, self.chat, self.log = cfg, True, lambda *a: None
+            self.lm = type("LM", (), {"path": "m", "fingerprint": "f"})
+
+        def facts_for_chat(self):
+            return facts
+
+        def made(self, backend, profile):
+            trained.append(sorted(r["subject"] for r in self.facts.forget_train))
+            return {"train_seconds": 1.0, "id": f"head_{len(trained)}", "profile": {"version": len(trained)}}
+
+        def _group_rows(self, profile, groups, k, retain):
+            return {"forget": [{"group": g, "requested": g <= k, "hits_profile": 0.0, "hits_base": 1.0}
+                               for g in range(1, len(groups) + 1)], "retain": {"identical": 1.0}}
+
+    report = Bench(ContinualConfig(requests=3, first=3)).run()
+    assert trained == [[f"s{i}" for i in range(6)]]  # one job, on every group
+    assert [r["request"] for r in report["rows"]] == [3] and all(b["pass"] for b in report["bars"])
+    trained.clear()
+    Bench(ContinualConfig(requests=3, first=2)).run()
+    assert trained == [["s0", "s1", "s3", "s4"], [f"s{i}" for i in range(6)]]  # groups dealt round-robin
+    for bad in ("0", "4"):
+        assert main(["bench", "continual", "--requests", "3", "--from-request", bad,
+                     "--out", str(tmp_path / "c.json")]) == 2

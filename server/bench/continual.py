@@ -11,6 +11,8 @@ questions are asked through the served route with the profile and without it (gr
 forgotten, the others still answered, and retain answers identical to the base model's.
 
 Bars (issue 26): after the last request, forget hits <= 0.05 for each group and retain identical >= 0.85.
+Since no request trains on the one before, `first` runs requests first..n only (`--from-request`): the last one
+alone costs one job where the whole run costs n.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from lethe.server.bench.attacks import CONTEXTS, AttackBench, AttackConfig, _sha
 @dataclass
 class ContinualConfig:
     requests: int = 5
+    # the first request run: request k trains from the base on the union of groups 1..k, never on request k-1's
+    # head or weights, so a run from request K (the last, where the bars are read) measures what a whole run would
+    first: int = 1
     backends: tuple[str, ...] = ("t3",)
     limit: int | None = None  # retain questions asked, at most (None: all)
     asu: dict = field(default_factory=dict)  # the ASU job's settings (tau, layers, steps, retain_loss, ...)
@@ -72,7 +77,7 @@ class ContinualBench(AttackBench):
         rows = []
         for backend in self.continual.backends:
             profile = f"continual-{backend.replace('+', '-')}"
-            for k in range(1, n + 1):
+            for k in range(self.continual.first, n + 1):
                 asked = {s for group in groups[:k] for s in group}
                 self.facts = replace(all_facts, forget_train=[r for r in all_facts.forget_train
                                                               if r["subject"] in asked])

@@ -22,6 +22,9 @@ def register(bench: argparse._SubParsersAction) -> None:
                                      "bench extra (pip install 'lethe[bench]').")
     _add_model_args(p)
     p.add_argument("--requests", type=int, default=5, help="forget requests (disjoint groups), default 5")
+    p.add_argument("--from-request", type=int, default=1, metavar="K",
+                   help="run requests K..--requests only (default 1): request k trains from the base on groups "
+                        "1..k, so K = --requests measures the last request, where the bars are read, alone")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=["t3"],
                    help="backends measured one after the other (default t3); asu+t3: ASU weights and a head in one "
                         "profile, the adapter for the prompts the head's probe calls forget-like")
@@ -39,6 +42,7 @@ def _command(args) -> str:
 
     words = ["lethe", "bench", "continual", "--model", shown_path(args.model), *engine_words(args),
              "--requests", str(args.requests), "--backends", *args.backends]
+    words += ["--from-request", str(args.from_request)] * (args.from_request != 1)
     words += ["--limit", str(args.limit)] * (args.limit is not None)
     words += asu_words(args, args.backends)
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
@@ -51,6 +55,10 @@ def cmd_bench_continual(args) -> int:
     if args.requests < 1:
         print("lethe bench continual: --requests must be at least 1", file=sys.stderr)
         return 2
-    cfg = ContinualConfig(requests=args.requests, backends=tuple(args.backends), limit=args.limit, asu=args.asu,
+    if not 1 <= args.from_request <= args.requests:
+        print(f"lethe bench continual: --from-request must be in [1, --requests ({args.requests})], got "
+              f"{args.from_request}", file=sys.stderr)
+        return 2
+    cfg = ContinualConfig(requests=args.requests, first=args.from_request, backends=tuple(args.backends), limit=args.limit, asu=args.asu,
                           settings=args.settings, adapter_above=args.adapter_above)
     return run_server_bench(args, _command(args), run, cfg, markdown)
