@@ -386,11 +386,13 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     # no tau asked: the job's teacher phase chose it, among candidates on the layers asked for, and says why
     teacher = info["metrics"]["teacher"]
     assert teacher["chosen"] == {"tau": info["tau"], "layers": "0-1"} and teacher["reason"]
-    # the settings not given are the default preset's (lethe), and the weights say which they were distilled with
+    # the default preset is lethe, whose recipe rests on the teacher's pick: the tiny model's teacher picks nothing,
+    # so it fell back to tau 16 and the settings not given are minimal's; the weights say so
     training = info["training"]
-    assert (training["preset"], training["retain_loss"], training["retain_weight"], training["own_answers"],
-            training["retain_own_answers"], training["steps"]) == ("lethe", "kl", 5.0, True, True, 40)
-    # the teacher tempers both layers of the test model, so the adapters are in every layer, and ungated
+    assert (teacher["pick"], info["tau"], training["preset"], training["settings_from"], training["retain_loss"],
+            training["retain_weight"], training["own_answers"], training["retain_own_answers"], training["steps"]) \
+        == (None, 16.0, "lethe", "minimal", "gd", 1.0, False, False, 40)
+    # the fallback tempers both layers of the test model, so the adapters are in every layer, and ungated
     assert (training["lora_layers"], info["lora_layers"], info["gate"], training["gate"]) == (None, [], {}, False)
     prof = a.put("/v1/profiles/asu", json={"backend": "asu", "weights": weights}).json()
     assert prof["spec"] == {"backend": "asu", "weights": weights, "repeat_guard": 0}  # ungated: off
@@ -480,6 +482,10 @@ def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     assert gated["status"] == "succeeded", gated
     made = a.get(f"/v1/asu/{gated['weights']}").json()
     assert (made["lora_layers"], made["gate"], made["training"]["gate"]) == ([1], {"layer": 1, "threshold": 0.5}, True)
+    # with a tau given there is no pick to rest on: the settings not given are lethe's
+    assert (made["training"]["preset"], made["training"]["retain_loss"], made["training"]["retain_weight"],
+            made["training"]["own_answers"], made["training"]["retain_own_answers"]) == ("lethe", "kl", 5.0, True, True)
+    assert "settings_from" not in made["training"]
     assert a.put("/v1/profiles/gated", json={"backend": "asu", "weights": made["id"]}).json()["spec"][
         "repeat_guard"] == 3, "a gated adapter alone guards its rows' repeats by default"
     full_training = a.get(f"/v1/asu/{state['weights']}").json()["training"]

@@ -140,11 +140,19 @@ def test_cli_asu_train_generate_and_eval(tiny_model_dir, tiny_records, tmp_path)
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "asu.safetensors"
     assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
-                 "--retain", str(tmp_path / "retain.jsonl"), "--steps", "20", "--layers", "0", "--quiet",
-                 "--out", str(out)]) == 0
+                 "--retain", str(tmp_path / "retain.jsonl"), "--steps", "20", "--layers", "0", "--tau", "4",
+                 "--quiet", "--out", str(out)]) == 0
     info = load_asu(out)[1]
     assert info.layers == info.lora_layers == [0] and not info.gate, "adapters where the teacher tempers; no gate at 0"
     assert (info.training["preset"], info.training["retain_loss"], info.training["own_answers"]) == ("lethe", "kl", True)
+    # no tau: the teacher's diagnostic runs; the tiny model's picks nothing, so tau 16 with minimal's settings
+    fallback = tmp_path / "fallback.safetensors"
+    assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
+                 "--retain", str(tmp_path / "retain.jsonl"), "--steps", "2", "--layers", "0", "--quiet",
+                 "--out", str(fallback)]) == 0
+    info = load_asu(fallback)[1]
+    assert (info.tau, info.metrics["teacher"]["pick"], info.training["settings_from"], info.training["retain_loss"],
+            info.lora_layers) == (16.0, None, "minimal", "gd", [])
     minimal = tmp_path / "minimal.safetensors"
     assert main(["asu", "train", "--model", str(tiny_model_dir), "--forget", str(tmp_path / "forget.jsonl"),
                  "--retain", str(tmp_path / "retain.jsonl"), "--preset", "minimal", "--tau", "16", "--steps", "2",

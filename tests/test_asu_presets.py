@@ -66,3 +66,33 @@ def test_the_gate_defaults_to_off_where_the_engine_cannot_serve_it():
 def test_a_job_queued_before_presets_keeps_the_defaults_of_its_day():
     assert preset_of({"tau": None, "steps": 300, "retain_loss": "gd"}) == "minimal"
     assert preset_of({"preset": "lethe"}) == "lethe" and preset_of({"preset": "minimal"}) == "minimal"
+
+
+@pytest.mark.parametrize("pick, retain_loss, steps, lora_layers, gate, settings_from", [
+    ({"tau": 8.0, "layers": "20-29"}, "kl", 100, "20-29", True, None),  # the pick: the lethe recipe on it
+    (None, "gd", 300, None, False, "minimal"),  # no pick: tau 16 with the release before's settings, all of them
+])
+def test_without_a_pick_of_the_teacher_the_settings_not_given_are_the_minimal_presets(
+        monkeypatch, pick, retain_loss, steps, lora_layers, gate, settings_from):
+    """The lethe recipe rests on the teacher's pick; where there is none (the demo: nothing flips enough of the
+    facts) the job falls back to tau 16 and the release before's settings, which forgot more there."""
+    from types import SimpleNamespace
+
+    from lethe.heads.asu import presets, teacher
+
+    def choose(lm, forget, layers, fmt, on_progress=None):
+        if pick is None:
+            return 16.0, layers, {"pick": None, "reason": "no candidate flips enough of the facts"}
+        return pick["tau"], pick["layers"], {"pick": pick, "reason": "the diagnostic's pick"}
+
+    monkeypatch.setattr(teacher, "choose_teacher", choose)
+    lm = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=30)))
+    cfg, report = presets.configure(lm, [], {"steps": None, "seed": 3})
+    assert (cfg.retain_loss, cfg.steps, cfg.lora_layers, cfg.gate, cfg.seed) == (retain_loss, steps, lora_layers,
+                                                                                 gate, 3)
+    assert cfg.tau == (pick or {"tau": 16.0})["tau"]
+    info = presets.record(SimpleNamespace(training={}, metrics={}), "lethe", report)  # what the weights say
+    assert (info.training["preset"], info.training.get("settings_from"), info.metrics["teacher"]) == \
+        ("lethe", settings_from, report)
+    # a given setting still wins without a pick
+    assert presets.configure(lm, [], {"retain_loss": "kl"})[0].retain_loss == "kl"

@@ -9,6 +9,7 @@ from test_bench_attacks import _free_port
 
 def test_bench_continual_forgets_each_request_as_it_comes_and_keeps_the_groups_not_yet_asked(tmp_path):
     from lethe.clients.cli import main
+    from lethe.heads.evaluation.facts import hit
 
     out = tmp_path / "continual.json"
     assert main(["bench", "continual", "--requests", "2", "--limit", "12", "--port", str(_free_port()),
@@ -26,6 +27,9 @@ def test_bench_continual_forgets_each_request_as_it_comes_and_keeps_the_groups_n
     assert g1["hits_profile"] < g1["hits_base"] / 2  # request 1 forgotten ...
     assert g2["hits_profile"] > g2["hits_base"] / 2  # ... group 2 not yet asked: still answered
     assert all(f["hits_profile"] < f["hits_base"] / 2 for f in second["forget"])  # after request 2: both gone
+    assert g2["misses"] == [] and all(  # a requested group's answers that gave the fact, shown; not another's
+        len(f["misses"]) == round(f["hits_profile"] * f["n"]) and all(hit(m["profile"], m["gold"]) for m in f["misses"])
+        for f in second["forget"])
     assert second["retain"]["n"] == 12 and second["retain"]["identical"] >= 0.75
     # ASU weights and a head in one profile, the adapter for the prompts the probe calls forget-like: each request
     # made both, and the head's forgetting holds with them

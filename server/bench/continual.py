@@ -7,8 +7,8 @@ forget set becomes the union of groups 1..k, a new head (T3) or new ASU weights 
 that union) or both (`asu+t3`: one profile with the weights and the head, the adapter only for prompts the head's
 probe calls forget-like, `adapter_above`) are trained by the server's jobs, and the one profile of that backend is
 set to them (a hot swap; its earlier versions stay in its history). After each request every group's canonical
-questions are asked through the served route with the profile and without it (greedy): the groups requested so far should be
-forgotten, the others still answered, and retain answers identical to the base model's.
+questions are asked through the served route with the profile and without it (greedy): the groups requested so far
+should be forgotten, the others still answered, and retain answers identical to the base model's.
 
 Bars (issue 26): after the last request, forget hits <= 0.05 for each group and retain identical >= 0.85.
 Since no request trains on the one before, `first` runs requests first..n only (`--from-request`): the last one
@@ -60,7 +60,11 @@ class ContinualBench(AttackBench):
             pairs = self.pairs(plain, [r for r in self.facts.forget_pool if r["subject"] in subjects], greedy, profile)
             out["forget"].append({"group": g, "requested": g <= k, "n": len(pairs),
                                   "hits_base": _share([hit(b[0], r["gold"]) for r, b, _ in pairs]),
-                                  "hits_profile": _share([hit(p[0], r["gold"]) for r, _, p in pairs])})
+                                  "hits_profile": _share([hit(p[0], r["gold"]) for r, _, p in pairs]),
+                                  # a requested group's answers that still give the fact, beside the base model's
+                                  "misses": [{"question": r["question"], "gold": r["gold"], "profile": p[0],
+                                              "base": b[0]} for r, b, p in pairs
+                                             if g <= k and hit(p[0], r["gold"])]})
         pairs = self.pairs(plain, retain, greedy, profile)
         out["retain"] = {"n": len(pairs), "identical": _share([b[0] == p[0] for _, b, p in pairs]),
                          "hits_base": _share([hit(b[0], r["gold"]) for r, b, _ in pairs]),

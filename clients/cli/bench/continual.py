@@ -59,6 +59,7 @@ def cmd_bench_continual(args) -> int:
         print(f"lethe bench continual: --from-request must be in [1, --requests ({args.requests})], got "
               f"{args.from_request}", file=sys.stderr)
         return 2
-    cfg = ContinualConfig(requests=args.requests, first=args.from_request, backends=tuple(args.backends), limit=args.limit, asu=args.asu,
+    cfg = ContinualConfig(requests=args.requests, first=args.from_request, backends=tuple(args.backends),
+                          limit=args.limit, asu=args.asu,
                           settings=args.settings, adapter_above=args.adapter_above)
     return run_server_bench(args, _command(args), run, cfg, markdown)
