@@ -376,12 +376,12 @@ class JobRunner:
                                                    "distilling": (0.2, 0.95)})
         progress("copying", 0.0)
         lm = self._private()  # training injects LoRA layers into the model it is given: never the serving one
-        preset = preset_of(params)
+        preset, said = preset_of(params), {}  # said: greedy answers the teacher decodes, which training reuses
         cfg, teacher = configure(lm, forget, {k: params.get(k) for k in FIELDS}, preset,
                                  on_progress=lambda f: progress("teacher", f),
-                                 gate_servable=self.engine.decoder is None)  # llama.cpp serves no gated adapter
+                                 gate_servable=self.engine.decoder is None, memo=said)  # llama.cpp: no gate
         tensors, info = train_asu(lm, forget, retain, cfg, progress=False,
-                                  on_progress=lambda f: progress("distilling", f))
+                                  on_progress=lambda f: progress("distilling", f), memo=said)
         record(info, preset, teacher)
         del lm
         if cancel.is_set():

@@ -155,6 +155,15 @@ def test_a_gated_run_decodes_each_greedy_answer_once(tiny_lm, tiny_records, monk
     first = teacher.greedy_answers(tiny_lm, retain, "qa", memo=memo)
     assert teacher.greedy_answers(tiny_lm, retain[::-1], "qa", memo=memo) == first[::-1]
     assert teacher.greedy_answers(tiny_lm, retain, "qa") == first  # as decoded without a memo
+    # a job's teacher diagnostic decodes the same forget questions first: training reuses its answers
+    from lethe.heads.asu.presets import configure
+
+    greedy.clear()
+    said = {}
+    cfg, report = configure(tiny_lm, forget, {"steps": 1, "own_answers": True, "format": "qa"}, memo=said)
+    assert report is not None and sorted(greedy) == sorted({r["question"] for r in forget})
+    train_asu(tiny_lm, forget, retain, cfg, progress=False, memo=said)
+    assert sorted(greedy) == sorted({r["question"] for r in forget}), "training decoded none of them again"
 
 
 def test_asu_can_also_distil_and_hold_records_asked_after_a_context(tiny_lm, tiny_records, monkeypatch):

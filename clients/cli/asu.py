@@ -99,10 +99,11 @@ def cmd_asu_train(args) -> int:
 
     lm, forget, retain = _offline_inputs(args, "asu train")
     preset = args.preset or DEFAULT
-    cfg, teacher = configure(lm, forget, {k: getattr(args, k) for k in FIELDS}, preset)
+    said = {}  # the greedy answers the teacher decodes, which training reuses
+    cfg, teacher = configure(lm, forget, {k: getattr(args, k) for k in FIELDS}, preset, memo=said)
     if teacher is not None and not args.quiet:
         print(f"teacher: tau {cfg.tau:g} on layers {cfg.layers or 'all'} ({teacher['reason']})", file=sys.stderr)
-    tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet)
+    tensors, info = train_asu(lm, forget, retain, cfg, progress=not args.quiet, memo=said)
     record(info, preset, teacher)
     save_asu(args.out, tensors, info)
     base_bytes = sum(f.stat().st_size for f in lm.path.glob("*.safetensors"))

@@ -252,8 +252,10 @@ class _FullLayers:
 
 
 def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None = None, progress: bool = True,
-              on_progress=None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
-    """Distil LoRA adapters; returns (adapter tensors, info). `lm.model` is left as it was."""
+              on_progress=None, memo: dict | None = None) -> tuple[dict[str, torch.Tensor], ASUInfo]:
+    """Distil LoRA adapters; returns (adapter tensors, info). `lm.model` is left as it was. `memo`: the base
+    model's greedy answers by question decoded already in this format (the teacher diagnostic's), kept and
+    added to."""
     cfg = cfg or ASUConfig()
     if not forget:
         raise ValueError("forget: the forget set is empty")
@@ -289,7 +291,8 @@ def train_asu(lm, forget: list[dict], retain: list[dict], cfg: ASUConfig | None 
     layers = parse_layers(cfg.layers, model.config.num_hidden_layers)
     use_tempered_attention(model)
     fmt = resolve_format(tok, cfg.format)
-    said: dict[str, str] = {}  # the base model's greedy answers by question, decoded once (own answers, the gate)
+    # the base model's greedy answers by question, decoded once (the diagnostic, own answers, the gate)
+    said: dict[str, str] = {} if memo is None else memo
     own_answers_fell_back = False
     if cfg.own_answers:
         from lethe.heads.asu.teacher import own_answers

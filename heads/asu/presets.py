@@ -74,10 +74,11 @@ def after_teacher(preset: str, given: dict, cfg: ASUConfig, num_layers: int,
 
 
 def configure(lm, forget: list[dict], given: dict, preset: str = DEFAULT, on_progress=None,
-              gate_servable: bool = True) -> tuple[ASUConfig, dict | None]:
+              gate_servable: bool = True, memo: dict | None = None) -> tuple[ASUConfig, dict | None]:
     """(the ASU settings a job or `lethe asu train` distils with, the teacher diagnostic's report or None): the
     given settings, the teacher's pick where no tau is given (`on_progress(fraction)` during it), the preset's
-    values for the rest. The weights record the preset with their settings (`record`)."""
+    values for the rest. The weights record the preset with their settings (`record`). `memo` keeps the base
+    model's greedy answers the diagnostic decodes, for the training run (`train_asu`'s `memo`)."""
     cfg = before_teacher(preset, given)
     teacher, settings_from = None, preset
     if given.get("tau") is None:
@@ -85,7 +86,8 @@ def configure(lm, forget: list[dict], given: dict, preset: str = DEFAULT, on_pro
 
         if on_progress is not None:
             on_progress(0.0)  # the teacher's phase starts (a job's cancellation point)
-        cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format, on_progress=on_progress)
+        cfg.tau, cfg.layers, teacher = choose_teacher(lm, forget, cfg.layers, cfg.format, on_progress=on_progress,
+                                                      memo=memo)
         if preset == "lethe" and teacher.get("pick") is None:
             # no setting qualified (or nothing to measure): the recipe built on a pick does not apply, and the
             # release before's defaults do, at the fallback tau (on the demo, lethe's other settings at tau 16

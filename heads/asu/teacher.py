@@ -165,17 +165,19 @@ def _knows(base: torch.Tensor, roles: list[str | None], known_logprob: float) ->
 
 
 def diagnose(lm, forget: list[dict], taus=TAUS, groups: list[str] | None = None, limit: int | None = 64,
-             fmt: str = "auto", known_logprob: float = math.log(0.3), on_progress=None) -> list[Setting]:
+             fmt: str = "auto", known_logprob: float = math.log(0.3), on_progress=None,
+             memo: dict | None = None) -> list[Setting]:
     """The drops of every candidate (tau, layers) along the facts the model knows among the first `limit`
     question/answer records of `forget` (`own_answers`), whose content tokens the base model gives a mean
     log-probability of at least `known_logprob`; each setting's `records` says how many. `on_progress(fraction)`
-    is called after each setting (a job's cancellation point)."""
+    is called after each setting (a job's cancellation point). `memo`: the base model's greedy answers by question
+    (`greedy_answers`), shared with the training run that follows."""
     model, tok = lm.model, lm.tokenizer
     qa = [r for r in forget if "question" in r and "answer" in r][:limit]
     if not qa:
         raise ValueError("forget: the diagnostic needs question/answer records")
     fmt = resolve_format(tok, fmt)
-    qa = own_answers(lm, qa, fmt)
+    qa = own_answers(lm, qa, fmt, memo=memo)
     exs = [qa_example(r["question"], r["answer"], fmt, tok) for r in qa]
     roles = [token_roles(tok, ex, r["answer"].strip(), r.get("fact")) for ex, r in zip(exs, qa)]
     use_tempered_attention(model)
@@ -227,14 +229,14 @@ def report(settings: list[Setting], min_drop: float = 1.0, min_flips: float = 0.
 
 
 def choose_teacher(lm, forget: list[dict], layers: str | None = None, fmt: str = "auto", fallback: float = 16.0,
-                   on_progress=None) -> tuple[float, str | None, dict]:
+                   on_progress=None, memo: dict | None = None) -> tuple[float, str | None, dict]:
     """The teacher an ASU job distils from when its request names no tau: `pick` over `diagnose`'s candidates on
     the forget set (in `layers` only, where given). Where no candidate qualifies, or the forget set has no
     question/answer record whose facts the model knows, `fallback` on `layers` (None: every layer). Returns (tau,
     layers, the diagnostic's report with what was chosen and why)."""
     try:
         settings = diagnose(lm, forget, groups=[layers] if layers is not None else None, fmt=fmt,
-                            on_progress=on_progress)
+                            on_progress=on_progress, memo=memo)
     except ValueError as e:
         return fallback, layers, {"pick": None, "chosen": {"tau": fallback, "layers": layers or "all"},
                                   "reason": str(e)}

@@ -111,8 +111,9 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
     add("T3 default", lm, Profile("t3", head, PRESETS["default"]), t3_seconds)
     trained = [train_asu(lm, forget, retain, ASUConfig(tau=tau), progress=False) for tau in taus]  # on the clean base
     if preset:  # the job's defaults: the teacher's pick and the preset's settings (heads.asu.presets)
-        asu_cfg, _ = configure(lm, forget, {}, preset)
-        trained.append(train_asu(lm, forget, retain, asu_cfg, progress=False))
+        said = {}  # greedy answers the teacher decodes, which training reuses
+        asu_cfg, _ = configure(lm, forget, {}, preset, memo=said)
+        trained.append(train_asu(lm, forget, retain, asu_cfg, progress=False, memo=said))
     model = lm.model
     for i, (tensors, info) in enumerate(trained):
         name = f"asu_{i}"

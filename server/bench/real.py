@@ -73,19 +73,19 @@ class RealBenchConfig:
 def _asu_weights(lm, cfg: RealBenchConfig, forget_train: list[dict], retain_train: list[dict]):
     """ASU weights for the bench: `cfg.asu_weights` read and checked against `lm`, or trained on the bench's sets
     (and written to `cfg.asu_save`)."""
-    from lethe.heads.asu.distill import ASUConfig, train_asu
-    from lethe.heads.asu.weights import load_asu, projection_shapes, save_asu
     from pathlib import Path
+
+    from lethe.heads.asu.distill import ASUConfig, train_asu
+    from lethe.heads.asu.presets import configure, record
+    from lethe.heads.asu.weights import load_asu, projection_shapes, save_asu
 
     if cfg.asu_weights:
         return load_asu(Path(cfg.asu_weights), lm.fingerprint, projection_shapes(lm.model),
                         lm.model.config.num_hidden_layers)
     named = [r | {"fact": r["gold"]} for r in forget_train]  # the gold is the fact the own answers must state
-    teacher = None
+    teacher, said = None, {}  # said: greedy answers the teacher decodes, which training reuses
     if cfg.asu_preset:
-        from lethe.heads.asu.presets import configure
-
-        asu_cfg, teacher = configure(lm, named, {"format": cfg.fit.format}, cfg.asu_preset)
+        asu_cfg, teacher = configure(lm, named, {"format": cfg.fit.format}, cfg.asu_preset, memo=said)
     else:
         asu_cfg = ASUConfig(
             tau=cfg.asu_tau, steps=cfg.asu_steps, layers=cfg.asu_layers, retain_loss=cfg.asu_retain_loss,
@@ -93,10 +93,8 @@ def _asu_weights(lm, cfg: RealBenchConfig, forget_train: list[dict], retain_trai
             retain_own_answers=cfg.asu_retain_own_answers, distil=cfg.asu_distil, lora_layers=cfg.asu_lora_layers,
             contexts=cfg.asu_contexts, student_answers=cfg.asu_student_answers,
             retain_subspace=cfg.asu_retain_subspace, gate=cfg.asu_gate, format=cfg.fit.format)
-    tensors, info = train_asu(lm, named, retain_train, asu_cfg, progress=False)
+    tensors, info = train_asu(lm, named, retain_train, asu_cfg, progress=False, memo=said)
     if cfg.asu_preset:
-        from lethe.heads.asu.presets import record
-
         record(info, cfg.asu_preset, teacher)
     if cfg.asu_save:
         save_asu(Path(cfg.asu_save), tensors, info)
