@@ -118,7 +118,7 @@ def profiles(client: Lethe, args):
     if args.action == "set":
         return client.set_profile(args.name, backend=args.backend, head=args.head, weights=args.weights,
                                   preset=args.preset, T=args.T, lam=args.lam, gate=args.gate,
-                                  sticky_gate=args.sticky_gate,
+                                  sticky_gate=args.sticky_gate, head_gate=args.head_gate,
                                   candidates=args.candidates, cap=args.cap, min_p=args.min_p,
                                   repeat_guard=args.repeat_guard, abstain=args.abstain,
                                   abstain_above=args.abstain_above,

@@ -75,6 +75,10 @@ class ProfileSpec(Strict):
     gate: StrictBool | None = None
     sticky_gate: StrictBool | None = Field(None, description="Once the gate opens in an answer, it stays at least "
                                                              "as open for the rest of that answer.")
+    head_gate: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
+                                    description="The gate also opens where the head scores the base model's likeliest "
+                                                "next token below -head_gate (forget e^head_gate times likelier than "
+                                                "retain there), whatever the probe says of the context (0: off).")
     candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
     min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,

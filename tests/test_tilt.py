@@ -162,8 +162,9 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
         torch.nn.init.normal_(head.probe.weight, std=0.5)
     choices = [TiltSettings(), TiltSettings(T=2.5, lam=2.0, candidates=7), TiltSettings(gate=False, cap=None),
                TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1),
-               TiltSettings(min_p=0.1, candidates=30, gate=False)]
-    rows = [(head, choices[i % len(choices)]) for i in range(batch)]
+               TiltSettings(min_p=0.1, candidates=30, gate=False), TiltSettings(head_gate=1.0),
+               TiltSettings(head_gate=3.0, T=2.0, candidates=9)]
+    rows = [(head, choices[(i * 3) % len(choices)]) for i in range(batch)]
     logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
     with torch.inference_mode():
         kernel = HeadGuide(rows, fused=True)(logits, pooled)
@@ -240,3 +241,54 @@ def test_sticky_gate_is_a_boolean_setting():
     assert TiltSettings().sticky_gate and not TiltSettings.from_dict({"sticky_gate": False}).sticky_gate
     with pytest.raises(ValueError, match="sticky_gate: must be true or false"):
         TiltSettings.from_dict({"sticky_gate": 1})
+
+
+@pytest.mark.parametrize("path", ["fused", "candidates", "dense", "scoring"])
+def test_the_head_gate_opens_a_row_the_probe_keeps_out_where_the_head_flags_the_likeliest_token(path):
+    """head_gate: earlier turns can make a forget question look retain-like to the probe, while the head still flags
+    the fact; where it scores the base model's likeliest token below -head_gate the row is tilted (fully, and for the
+    rest of the answer with the sticky gate), and where it does not the row keeps its base logits."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
+    from lethe.heads.t3.head import T3Head
+
+    torch.manual_seed(3)
+    head = T3Head(8, 40, 3).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.up.weight, std=3.0)
+    direction = torch.randn(8)
+    with torch.no_grad():
+        head.probe.weight.copy_(direction[None, :])
+    pooled = (direction * 2)[None].repeat(2, 1)  # the probe calls both rows retain-like
+    assert float(head.forget_probability(pooled[:1])[0]) < 0.1
+    z = head(pooled)[0]
+    logits = torch.full((2, 40), -5.0)
+    flagged, free = int(z.argmin()), int(z.argmax())  # the head's most forget-like and most retain-like tokens
+    logits[0, flagged], logits[1, free] = 5.0, 5.0  # row 0's likeliest token is flagged, row 1's is not
+    threshold = float(-z[flagged]) - 0.5
+    assert z[flagged] < -threshold < 0 < z[free]
+    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}, "scoring": {}}[path]
+    for head_gate, opened in ((threshold, True), (0.0, False), (float(-z[flagged]) + 0.5, False)):
+        settings = TiltSettings(head_gate=head_gate, **extra)
+        with torch.inference_mode():
+            if path == "scoring":  # log-likelihood scoring: a gate per position
+                out = whole_vocabulary(head, settings, logits, pooled)
+            else:
+                guide = HeadGuide.uniform(head, settings, fused=path == "fused")
+                out = guide(logits, pooled).clone()
+        torch.testing.assert_close(out[1], logits[1])  # the head does not flag row 1's token: untouched
+        assert (out[0].argmax() != flagged) == opened, (head_gate, out[0])
+        if path != "scoring":
+            assert float(guide.floor[0]) == (1.0 if opened else pytest.approx(float(head.forget_probability(
+                pooled[:1])[0])))
+            if opened:  # sticky: the next step is tilted though its likeliest token is no longer flagged
+                with torch.inference_mode():
+                    after = guide(logits[[1, 1]], pooled)
+                assert not torch.equal(after[0], logits[1]) and torch.equal(after[1], logits[1])
+
+
+def test_head_gate_is_a_non_negative_number():
+    from lethe.heads.t3.guide import TiltSettings
+
+    assert TiltSettings().head_gate == 0 and TiltSettings.from_dict({"head_gate": 2}).head_gate == 2
+    for bad in (-1, True, "2", 101):
+        with pytest.raises(ValueError, match="head_gate"):
+            TiltSettings.from_dict({"head_gate": bad})

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--gate", action=argparse.BooleanOptionalAction, default=None)
     q.add_argument("--sticky-gate", action=argparse.BooleanOptionalAction, default=None,
                    help="once the gate opens in an answer, keep it at least as open for the rest of the answer")
+    q.add_argument("--head-gate", type=float,
+                   help="the gate also opens where the head scores the base model's likeliest token below -HEAD_GATE")
     q.add_argument("--candidates", type=int)
     q.add_argument("--cap", type=float)
     q.add_argument("--min-p", type=float)

@@ -49,17 +49,18 @@ class TiltKernel:
     """
 
     def __init__(self, head, k: int, candidates: list[int], T: list[float], lam: list[float], gate: list[bool],
-                 cap: list[float | None], min_p: list[float] | None = None):
+                 cap: list[float | None], min_p: list[float] | None = None, head_gate: list[float] | None = None):
         down, bias, up, up_bias = head._decoding_weights()
         as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
         self.weights = (as_np(down), as_np(bias), as_np(up),
                         np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
         self.probe, self.k = head.probe is not None, k
-        # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off)
+        # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off), head_gate (0: off)
         min_p = min_p or [0.0] * len(candidates)
-        self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c, math.log(m) if m > 0 else -np.inf)
-                                    for n, t, l_, g, c, m in zip(candidates, T, lam, gate, cap, min_p)],
-                                   dtype=np.float32).reshape(len(candidates), 6)
+        head_gate = head_gate or [0.0] * len(candidates)
+        self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c, math.log(m) if m > 0 else -np.inf,
+                                     h) for n, t, l_, g, c, m, h in zip(candidates, T, lam, gate, cap, min_p, head_gate)],
+                                   dtype=np.float32).reshape(len(candidates), 7)
         self._out: torch.Tensor | None = None
         self._out_np: np.ndarray | None = None
         self.active = np.ones(len(candidates), np.bool_)  # after a call: which rows the gate let in
@@ -86,7 +87,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 6), f32(0), f32(0, 1),
+    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 7), f32(0), f32(0, 1),
           np.ones(0, np.bool_), f32(0))
 
 
@@ -136,10 +137,23 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             h[c] = acc + bias[c]
         kb = int(settings[b, 0])
         g = 1.0
+        head_gate = 0.0
         if probe and settings[b, 3] > 0:
             g = 1.0 / (1.0 + math.exp(-h[r]))  # P(forget | context)
             if gate_floor[b] > g:  # a sticky gate's floor: the highest its answer had
                 g = float(gate_floor[b])
+            head_gate = settings[b, 6]
+        if head_gate > 0 and g < 1.0:  # the gate opens where the head flags the base model's likeliest token
+            top, best = 0, logits[b, 0]
+            for v in range(1, V):
+                if logits[b, v] > best:
+                    best = logits[b, v]
+                    top = v
+            zt = up_bias[top]
+            for c in range(r):
+                zt += up[top, c] * h[c]
+            if zt < -head_gate:
+                g = 1.0
         active = g > 0.5
         active_out[b] = active
         gate_out[b] = g

@@ -37,6 +37,10 @@ class TiltSettings:
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
     repeat_guard: int = 3  # forget-like rows: no word that repeats a word n-gram of the answer (this n); 0 = off
+    # the gate also opens (fully) at a step whose base-likeliest token the head scores below -head_gate (forget
+    # e^head_gate times likelier than retain there): the probe reads the context, which earlier turns can make look
+    # retain-like, while the head still flags the fact itself; with sticky_gate it stays open. 0 = off
+    head_gate: float = 0.0
     abstain: str | None = None  # a reply (e.g. "I don't know.") for prompts the probe alone calls forget-like
     abstain_above: float = 0.9  # ... with P(forget | prompt) above this
     # ASU profiles with a head: decode with the adapter only where the probe's P(forget | prompt) is above this,
@@ -76,6 +80,9 @@ class TiltSettings:
             raise ValueError(f"lam: must be in [0, 1000], got {out.lam}")
         if not 0 <= out.candidates <= MAX_CANDIDATES:
             raise ValueError(f"candidates: must be in [0, {MAX_CANDIDATES}], got {out.candidates}")
+        if isinstance(out.head_gate, bool) or not isinstance(out.head_gate, (int, float)) or \
+                not 0 <= out.head_gate <= 100:
+            raise ValueError(f"head_gate: must be a number in [0, 100] (0: off), got {out.head_gate!r}")
         if out.cap is not None and not (0 <= out.cap <= 100):
             raise ValueError(f"cap: must be in [0, 100] or null, got {out.cap}")
         if isinstance(out.min_p, bool) or not isinstance(out.min_p, (int, float)) or not 0 <= out.min_p < 1:
@@ -116,9 +123,19 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     truncations: like top-k, they would give some tokens, a forgotten answer included, no probability at all)."""
     n, device = len(logits), logits.device
     full = lambda value: torch.full((n,), float(value), device=device)  # noqa: E731
+    z = head(pooled)
     gate = head.forget_probability(pooled) if settings.gate else None
+    if gate is not None and settings.head_gate > 0:
+        gate = opened_by_head(gate, logits, z, full(settings.head_gate))
     cap = full(settings.cap) if settings.cap is not None else None
-    return tilt(logits, head(pooled), full(settings.T), full(settings.lam), gate, cap=cap)
+    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap)
+
+
+def opened_by_head(gate: torch.Tensor, logits: torch.Tensor, z: torch.Tensor, head_gate: torch.Tensor) -> torch.Tensor:
+    """(B,) gates, fully open (1) where the head scores the base model's likeliest token (B, V logits, and z: the
+    head's logits over the vocabulary) below -head_gate (B,; 0: off for that row)."""
+    top = z.gather(-1, logits.argmax(-1, keepdim=True))[:, 0]
+    return torch.where((head_gate > 0) & (top < -head_gate), 1.0, gate)
 
 
 class HeadGuide:
@@ -258,8 +275,9 @@ class _Group:
     min_p: torch.Tensor | None
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
-    dense: tuple | None  # (T, lam, k, cap, gate switch, min_p) as (B,) vectors for `tilt`, when k == 0
+    dense: tuple | None  # (T, lam, k, cap, gate switch, min_p, head_gate) as (B,) vectors for `tilt`, when k == 0
     repeat_guard: list[int] | None  # per row, the repeat guard's n (None: off for every row)
+    head_gate: torch.Tensor | None = None  # (B, 1): `TiltSettings.head_gate` (None: 0, off, on every row)
     fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
     _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
@@ -275,15 +293,17 @@ class _Group:
         gated = None if all(s.gate for s in settings) or not any_gated else column([s.gate for s in settings], torch.bool)
         min_p = column([s.min_p for s in settings]) if any(s.min_p > 0 for s in settings) else None
         guard = [s.repeat_guard for s in settings] if any(s.repeat_guard for s in settings) else None
+        head_gate = column([s.head_gate for s in settings]) if any(s.head_gate > 0 and s.gate for s in settings) \
+            else None
         if not all(s.candidates > 0 for s in settings):
             dense = (column([s.T for s in settings])[:, 0], column([s.lam for s in settings])[:, 0],
                      column([s.candidates for s in settings], torch.long)[:, 0],
                      column([-1.0 if s.cap is None else s.cap for s in settings])[:, 0]
                      if any(s.cap is not None for s in settings) else None,
                      column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None,
-                     None if min_p is None else min_p[:, 0])
+                     None if min_p is None else min_p[:, 0], None if head_gate is None else head_gate[:, 0])
             return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, None, gated, any_gated,
-                       dense, guard)
+                       dense, guard, head_gate)
         wanted = [min(s.candidates, head.up.out_features) for s in settings]
         k, keep = max(wanted), None
         if any(w != k for w in wanted):
@@ -296,9 +316,9 @@ class _Group:
         if fused and torch.device(device).type == "cpu":
             kernel = fused_kernel.TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
                                              [s.gate for s in settings], [s.cap for s in settings],
-                                             [s.min_p for s in settings])
+                                             [s.min_p for s in settings], [s.head_gate for s in settings])
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, min_p, gated, any_gated, None,
-                   guard, kernel)
+                   guard, head_gate, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
         """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates (the base
@@ -314,6 +334,8 @@ class _Group:
             gate = torch.maximum(gate, floor[:, None])
         if gate is not None and self.gated is not None:
             gate = torch.where(self.gated, gate, 1.0)
+        if gate is not None and self.head_gate is not None:  # the head flags the likeliest token (the first)
+            gate = torch.where((self.head_gate > 0) & (z[:, :1] < -self.head_gate), 1.0, gate)
         self._gate = None if gate is None else gate[:, 0]
         scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
@@ -324,14 +346,16 @@ class _Group:
         return torch.where(self._active[:, None], out, logits.float())
 
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
-        T, lam, k, cap, gate_on, min_p = self.dense
-        gate = None
+        T, lam, k, cap, gate_on, min_p, head_gate = self.dense
+        z, gate = self.head(pooled), None
         if gate_on is not None:
             forget_p = self.head.forget_probability(pooled)
             gate = torch.where(gate_on, forget_p if floor is None else torch.maximum(forget_p, floor), 1.0)
+            if head_gate is not None:
+                gate = torch.where(gate_on, opened_by_head(gate, logits, z, head_gate), gate)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
-        return tilt(logits, self.head(pooled), T, lam, gate, k, cap, min_p)
+        return tilt(logits, z, T, lam, gate, k, cap, min_p)
 
     def last_gate(self) -> torch.Tensor | float:
         """Each row's gate at the last call (1 where there is none)."""
