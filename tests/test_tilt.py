@@ -148,7 +148,7 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
 
 
 @pytest.mark.parametrize("probe,bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize("batch", [1, 6, 12])
 def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
     from lethe.heads.t3.guide import HeadGuide, TiltSettings
     from lethe.heads.t3.head import T3Head
@@ -164,7 +164,7 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
                TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1),
                TiltSettings(min_p=0.1, candidates=30, gate=False), TiltSettings(head_gate=1.0),
                TiltSettings(head_gate=3.0, T=2.0, candidates=9)]
-    rows = [(head, choices[(i * 3) % len(choices)]) for i in range(batch)]
+    rows = [(head, choices[i % len(choices)]) for i in range(batch)]
     logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
     with torch.inference_mode():
         kernel = HeadGuide(rows, fused=True)(logits, pooled)
@@ -292,3 +292,33 @@ def test_head_gate_is_a_non_negative_number():
     for bad in (-1, True, "2", 101):
         with pytest.raises(ValueError, match="head_gate"):
             TiltSettings.from_dict({"head_gate": bad})
+
+
+@pytest.mark.parametrize("lower", ["flagged", "free"])
+def test_the_head_gate_reads_the_likeliest_token_alike_in_every_path_when_two_tie(lower):
+    """Two tokens tie for the likeliest, one flagged by the head and one not: the kernel, the tensor operations and
+    the whole-vocabulary path read the same one (the lower id, as argmax), whatever order top-k gives them."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
+    from lethe.heads.t3.head import T3Head
+
+    torch.manual_seed(3)
+    head = T3Head(8, 40, 3).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.up.weight, std=3.0)
+    direction = torch.randn(8)
+    with torch.no_grad():
+        head.probe.weight.copy_(direction[None, :])
+    pooled = (direction * 2)[None]
+    z = head(pooled)[0]
+    flagged_ids, free_ids = (z < -2).nonzero()[:, 0].tolist(), (z > 1).nonzero()[:, 0].tolist()
+    pairs = [(f, r) for f in flagged_ids for r in free_ids if (f < r) == (lower == "flagged")]
+    flagged, free = pairs[0]
+    logits = torch.full((1, 40), -5.0)
+    logits[0, flagged] = logits[0, free] = 5.0
+    settings = TiltSettings(head_gate=1.5)
+    with torch.inference_mode():
+        guides = [HeadGuide.uniform(head, settings, fused=fused) for fused in (True, False)]
+        scores = [guide(logits, pooled).clone() for guide in guides]
+        dense = whole_vocabulary(head, settings, logits, pooled)
+    opened = lower == "flagged"  # argmax's pick among the tied is the lower id
+    assert [float(g.floor[0]) == 1.0 for g in guides] == [opened, opened]
+    assert [torch.equal(out, logits) for out in (*scores, dense)] == [not opened] * 3

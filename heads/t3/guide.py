@@ -328,14 +328,18 @@ class _Group:
         if self.fused is not None:
             return self.fused(logits, pooled, floor)
         values, ids = candidates_of(logits, self.k, self.keep)
-        forget_p, z = self.head.decode_terms(pooled, ids)
+        if self.head_gate is None:
+            forget_p, z = self.head.decode_terms(pooled, ids)
+        else:  # the head's logit for the likeliest token as argmax picks it among ties (lowest id), as the kernel does
+            forget_p, z = self.head.decode_terms(pooled, torch.cat([ids, logits.argmax(-1, keepdim=True)], -1))
+            z, z_top = z[:, :-1], z[:, -1:]
         gate = forget_p if self.any_gated else None
         if gate is not None and floor is not None:
             gate = torch.maximum(gate, floor[:, None])
         if gate is not None and self.gated is not None:
             gate = torch.where(self.gated, gate, 1.0)
-        if gate is not None and self.head_gate is not None:  # the head flags the likeliest token (the first)
-            gate = torch.where((self.head_gate > 0) & (z[:, :1] < -self.head_gate), 1.0, gate)
+        if gate is not None and self.head_gate is not None:  # the head flags the likeliest token
+            gate = torch.where((self.head_gate > 0) & (z_top < -self.head_gate), 1.0, gate)
         self._gate = None if gate is None else gate[:, 0]
         scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
