@@ -80,7 +80,7 @@ def test_without_a_pick_of_the_teacher_the_settings_not_given_are_the_minimal_pr
 
     from lethe.heads.asu import presets, teacher
 
-    def choose(lm, forget, layers, fmt, on_progress=None):
+    def choose(lm, forget, layers, fmt, on_progress=None, memo=None):
         if pick is None:
             return 16.0, layers, {"pick": None, "reason": "no candidate flips enough of the facts"}
         return pick["tau"], pick["layers"], {"pick": pick, "reason": "the diagnostic's pick"}
