@@ -204,20 +204,28 @@ def test_a_numba_cache_written_under_another_module_name_is_recompiled_not_fatal
     assert "compiling it again" in now.stderr
 
 
+def _probed_head(seed: int):
+    """A small head (d 8, vocabulary 40, rank 3) with spread logits and a probe along a random direction: its retain
+    logit is direction . pooled, so P(forget) = sigmoid(-direction . pooled). Returns (head, direction)."""
+    from lethe.heads.t3.head import T3Head
+
+    torch.manual_seed(seed)
+    head = T3Head(8, 40, 3).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.up.weight, std=3.0)
+    direction = torch.randn(8)
+    with torch.no_grad():
+        head.probe.weight.copy_(direction[None, :])
+    return head, direction
+
+
 @pytest.mark.parametrize("path", ["fused", "candidates", "dense"])  # the CPU kernel, tensor operations, no candidates
 def test_a_sticky_gate_stays_open_for_the_rest_of_the_answer_once_it_opened(path):
     # a row whose context is forget-like at one step and not at the next: today's gate closes again (base logits
     # back), a sticky gate stays at the highest P(forget) its answer had, so the row is still tilted; a row
     # without the setting, in the same batch, is not affected
     from lethe.heads.t3.guide import HeadGuide, TiltSettings
-    from lethe.heads.t3.head import T3Head
 
-    torch.manual_seed(5)
-    head = T3Head(8, 40, 3).eval().requires_grad_(False)
-    torch.nn.init.normal_(head.up.weight, std=3.0)
-    direction = torch.randn(8)
-    with torch.no_grad():
-        head.probe.weight.copy_(direction[None, :])  # retain logit: P(forget) = sigmoid(-direction . pooled)
+    head, direction = _probed_head(5)
     forget_like, retain_like = -direction * 2, direction * 2
     assert head.forget_probability(forget_like[None])[0] > 0.9 > 0.1 > head.forget_probability(retain_like[None])[0]
     extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}}[path]
@@ -249,14 +257,8 @@ def test_the_head_gate_opens_a_row_the_probe_keeps_out_where_the_head_flags_the_
     the fact; where it scores the base model's likeliest token below -head_gate the row is tilted (fully, and for the
     rest of the answer with the sticky gate), and where it does not the row keeps its base logits."""
     from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
-    from lethe.heads.t3.head import T3Head
 
-    torch.manual_seed(3)
-    head = T3Head(8, 40, 3).eval().requires_grad_(False)
-    torch.nn.init.normal_(head.up.weight, std=3.0)
-    direction = torch.randn(8)
-    with torch.no_grad():
-        head.probe.weight.copy_(direction[None, :])
+    head, direction = _probed_head(3)
     pooled = (direction * 2)[None].repeat(2, 1)  # the probe calls both rows retain-like
     assert float(head.forget_probability(pooled[:1])[0]) < 0.1
     z = head(pooled)[0]
@@ -299,14 +301,8 @@ def test_the_head_gate_reads_the_likeliest_token_alike_in_every_path_when_two_ti
     """Two tokens tie for the likeliest, one flagged by the head and one not: the kernel, the tensor operations and
     the whole-vocabulary path read the same one (the lower id, as argmax), whatever order top-k gives them."""
     from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
-    from lethe.heads.t3.head import T3Head
 
-    torch.manual_seed(3)
-    head = T3Head(8, 40, 3).eval().requires_grad_(False)
-    torch.nn.init.normal_(head.up.weight, std=3.0)
-    direction = torch.randn(8)
-    with torch.no_grad():
-        head.probe.weight.copy_(direction[None, :])
+    head, direction = _probed_head(3)
     pooled = (direction * 2)[None]
     z = head(pooled)[0]
     flagged_ids, free_ids = (z < -2).nonzero()[:, 0].tolist(), (z > 1).nonzero()[:, 0].tolist()

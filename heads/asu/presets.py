@@ -102,8 +102,8 @@ def configure(lm, forget: list[dict], given: dict, preset: str = DEFAULT, on_pro
 def record(info, preset: str, teacher: dict | None):
     """`info` (`ASUInfo`, just trained) with the preset among its settings and the teacher's report in its metrics."""
     info.training["preset"] = preset
-    if teacher is not None and teacher.get("settings_from"):  # no pick: the settings not given are that preset's
-        info.training["settings_from"] = teacher["settings_from"]
     if teacher is not None:
         info.metrics["teacher"] = teacher
+        if teacher.get("settings_from"):  # no pick: the settings not given are that preset's
+            info.training["settings_from"] = teacher["settings_from"]
     return info

@@ -126,16 +126,21 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     z = head(pooled)
     gate = head.forget_probability(pooled) if settings.gate else None
     if gate is not None and settings.head_gate > 0:
-        gate = opened_by_head(gate, logits, z, full(settings.head_gate))
+        gate = opened_by_head(gate, likeliest(z, logits), full(settings.head_gate))
     cap = full(settings.cap) if settings.cap is not None else None
     return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap)
 
 
-def opened_by_head(gate: torch.Tensor, logits: torch.Tensor, z: torch.Tensor, head_gate: torch.Tensor) -> torch.Tensor:
-    """(B,) gates, fully open (1) where the head scores the base model's likeliest token (B, V logits, and z: the
-    head's logits over the vocabulary) below -head_gate (B,; 0: off for that row)."""
-    top = z.gather(-1, logits.argmax(-1, keepdim=True))[:, 0]
-    return torch.where((head_gate > 0) & (top < -head_gate), 1.0, gate)
+def likeliest(z: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) head logits and base logits -> (B,): the head's logit for each row's likeliest base token (argmax:
+    the lowest id among ties, as the CPU kernel reads it)."""
+    return z.gather(-1, logits.argmax(-1, keepdim=True))[:, 0]
+
+
+def opened_by_head(gate: torch.Tensor, z_top: torch.Tensor, head_gate: torch.Tensor) -> torch.Tensor:
+    """Gates, fully open (1) where the head's logit for the likeliest base token (`z_top`, shaped as `gate`) is
+    below -head_gate (0: off for that row)."""
+    return torch.where((head_gate > 0) & (z_top < -head_gate), 1.0, gate)
 
 
 class HeadGuide:
@@ -339,7 +344,7 @@ class _Group:
         if gate is not None and self.gated is not None:
             gate = torch.where(self.gated, gate, 1.0)
         if gate is not None and self.head_gate is not None:  # the head flags the likeliest token
-            gate = torch.where((self.head_gate > 0) & (z_top < -self.head_gate), 1.0, gate)
+            gate = opened_by_head(gate, z_top, self.head_gate)
         self._gate = None if gate is None else gate[:, 0]
         scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
@@ -356,7 +361,7 @@ class _Group:
             forget_p = self.head.forget_probability(pooled)
             gate = torch.where(gate_on, forget_p if floor is None else torch.maximum(forget_p, floor), 1.0)
             if head_gate is not None:
-                gate = torch.where(gate_on, opened_by_head(gate, logits, z, head_gate), gate)
+                gate = torch.where(gate_on, opened_by_head(gate, likeliest(z, logits), head_gate), gate)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
         return tilt(logits, z, T, lam, gate, k, cap, min_p)
