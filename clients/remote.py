@@ -119,6 +119,7 @@ def profiles(client: Lethe, args):
         return client.set_profile(args.name, backend=args.backend, head=args.head, weights=args.weights,
                                   preset=args.preset, T=args.T, lam=args.lam, gate=args.gate,
                                   sticky_gate=args.sticky_gate, head_gate=args.head_gate,
+                                  flagged_mass=args.flagged_mass,
                                   candidates=args.candidates, cap=args.cap, min_p=args.min_p,
                                   repeat_guard=args.repeat_guard, abstain=args.abstain,
                                   abstain_above=args.abstain_above,

@@ -79,6 +79,10 @@ class ProfileSpec(Strict):
                                     description="The gate also opens where the head scores the base model's likeliest "
                                                 "next token below -head_gate (forget e^head_gate times likelier than "
                                                 "retain there), whatever the probe says of the context (0: off).")
+    flagged_mass: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,
+                                       description="A step is tempered and tilted only where the tokens the head flags "
+                                                   "(of those the row may sample) hold at least this much of the base "
+                                                   "model's probability; other steps keep the base logits (0: off).")
     candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
     min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,

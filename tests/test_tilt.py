@@ -163,7 +163,8 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
     choices = [TiltSettings(), TiltSettings(T=2.5, lam=2.0, candidates=7), TiltSettings(gate=False, cap=None),
                TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1),
                TiltSettings(min_p=0.1, candidates=30, gate=False), TiltSettings(head_gate=1.0),
-               TiltSettings(head_gate=3.0, T=2.0, candidates=9)]
+               TiltSettings(head_gate=3.0, T=2.0, candidates=9), TiltSettings(flagged_mass=0.3),
+               TiltSettings(flagged_mass=0.05, T=2.0, candidates=9, min_p=0.05)]
     rows = [(head, choices[i % len(choices)]) for i in range(batch)]
     logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
     with torch.inference_mode():
@@ -318,3 +319,42 @@ def test_the_head_gate_reads_the_likeliest_token_alike_in_every_path_when_two_ti
     opened = lower == "flagged"  # argmax's pick among the tied is the lower id
     assert [float(g.floor[0]) == 1.0 for g in guides] == [opened, opened]
     assert [torch.equal(out, logits) for out in (*scores, dense)] == [not opened] * 3
+
+
+@pytest.mark.parametrize("path", ["fused", "candidates", "dense", "scoring"])
+def test_flagged_mass_tilts_a_gated_row_only_where_a_flagged_token_is_likely(path):
+    """flagged_mass: a row the gate lets in (a retain question after forget turns) keeps its base logits, and so
+    samples what the base model samples, at a step where the tokens the head flags are unlikely; where a flagged
+    token is the likeliest, it is tilted as before. The repeat guard follows the gate either way."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
+
+    head, direction = _probed_head(3)
+    pooled = (-direction * 2)[None].repeat(2, 1)  # the probe calls both rows forget-like: the gate is open
+    assert float(head.forget_probability(pooled[:1])[0]) > 0.9
+    z = head(pooled)[0]
+    flagged, free = int(z.argmin()), int(z.argmax())
+    assert z[flagged] < 0 < z[free]
+    logits = torch.full((2, 40), -5.0)
+    logits[0, flagged] = 5.0  # row 0: the head flags the likeliest token
+    logits[1, free], logits[1, flagged] = 5.0, 0.0  # row 1: a flagged token, but unlikely (< 0.01)
+    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}, "scoring": {}}[path]
+    for mass in (0.0, 0.1):
+        settings = TiltSettings(flagged_mass=mass, **extra)
+        with torch.inference_mode():
+            if path == "scoring":  # log-likelihood scoring: per position
+                out = whole_vocabulary(head, settings, logits, pooled)
+            else:
+                guide = HeadGuide.uniform(head, settings, fused=path == "fused")
+                out = guide(logits, pooled).clone()
+                assert guide.repeat_guards() == [settings.repeat_guard] * 2  # the gate let both rows in
+        assert out[0].argmax() != flagged, (mass, out[0])  # tilted with and without the setting
+        assert torch.equal(out[1], logits[1]) == (mass > 0), (mass, out[1])
+
+
+def test_flagged_mass_is_a_probability():
+    from lethe.heads.t3.guide import TiltSettings
+
+    assert TiltSettings().flagged_mass == 0 and TiltSettings.from_dict({"flagged_mass": 0.1}).flagged_mass == 0.1
+    for bad in (-0.1, 1, True, "0.1", float("nan")):
+        with pytest.raises(ValueError, match="flagged_mass"):
+            TiltSettings.from_dict({"flagged_mass": bad})

@@ -80,6 +80,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="once the gate opens in an answer, keep it at least as open for the rest of the answer")
     p.add_argument("--head-gate", type=float, help="the gate also opens where the head scores the base model's "
                                                    "likeliest token below -HEAD_GATE (0: off)")
+    p.add_argument("--flagged-mass", type=float, help="temper and tilt a step only where the tokens the head flags "
+                                                      "hold at least this base probability (0: off)")
     p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")
     p.add_argument("--cap", type=float, help="flagged tokens score at most the best other token minus CAP")
     p.add_argument("--no-cap", action="store_true", help="turn the spike cap off")
@@ -97,8 +99,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--asu", type=Path, help="ASU adapter weights (from `lethe asu train`), alone or with --head")
 
 
-_PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "sticky_gate", "head_gate", "candidates", "cap", "no_cap",
-                  "min_p", "repeat_guard", "abstain", "abstain_above", "adapter_above", "asu"]
+_PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "sticky_gate", "head_gate", "flagged_mass", "candidates",
+                  "cap", "no_cap", "min_p", "repeat_guard", "abstain", "abstain_above", "adapter_above", "asu"]
 
 
 def _profile(args, lm):

@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="once the gate opens in an answer, keep it at least as open for the rest of the answer")
     q.add_argument("--head-gate", type=float,
                    help="the gate also opens where the head scores the base model's likeliest token below -HEAD_GATE")
+    q.add_argument("--flagged-mass", type=float,
+                   help="temper and tilt a step only where the tokens the head flags hold at least this base "
+                        "probability (0: off)")
     q.add_argument("--candidates", type=int)
     q.add_argument("--cap", type=float)
     q.add_argument("--min-p", type=float)

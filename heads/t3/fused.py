@@ -39,6 +39,9 @@ def _numba_installed() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+SETTINGS = 8  # the columns of TiltKernel.settings
+
+
 class TiltKernel:
     """One head's decoding step for a group of rows with fixed settings, built once per batch.
 
@@ -49,18 +52,22 @@ class TiltKernel:
     """
 
     def __init__(self, head, k: int, candidates: list[int], T: list[float], lam: list[float], gate: list[bool],
-                 cap: list[float | None], min_p: list[float] | None = None, head_gate: list[float] | None = None):
+                 cap: list[float | None], min_p: list[float] | None = None, head_gate: list[float] | None = None,
+                 flagged_mass: list[float] | None = None):
         down, bias, up, up_bias = head._decoding_weights()
         as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
         self.weights = (as_np(down), as_np(bias), as_np(up),
                         np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
         self.probe, self.k = head.probe is not None, k
-        # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off), head_gate (0: off)
-        min_p = min_p or [0.0] * len(candidates)
-        head_gate = head_gate or [0.0] * len(candidates)
+        # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off),
+        # head_gate (0: off), flagged_mass (0: off)
+        n_rows = len(candidates)
+        min_p, head_gate = min_p or [0.0] * n_rows, head_gate or [0.0] * n_rows
+        flagged_mass = flagged_mass or [0.0] * n_rows
         self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c, math.log(m) if m > 0 else -np.inf,
-                                     h) for n, t, l_, g, c, m, h in zip(candidates, T, lam, gate, cap, min_p, head_gate)],
-                                   dtype=np.float32).reshape(len(candidates), 7)
+                                     h, f) for n, t, l_, g, c, m, h, f in zip(candidates, T, lam, gate, cap, min_p,
+                                                                              head_gate, flagged_mass)],
+                                   dtype=np.float32).reshape(n_rows, SETTINGS)
         self._out: torch.Tensor | None = None
         self._out_np: np.ndarray | None = None
         self.active = np.ones(len(candidates), np.bool_)  # after a call: which rows the gate let in
@@ -87,7 +94,7 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, 7), f32(0), f32(0, 1),
+    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, SETTINGS), f32(0), f32(0, 1),
           np.ones(0, np.bool_), f32(0))
 
 
@@ -191,6 +198,18 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             scores[i] = vals[i] / temp + lam * log_sig if vals[i] >= floor else -np.inf
             if not zi < 0 and scores[i] > best_free:
                 best_free = scores[i]
+        if settings[b, 7] > 0:  # tilt only where the flagged candidates are likely enough under the base model
+            total = 0.0
+            for v in range(V):
+                total += math.exp(logits[b, v] - vals[0])
+            flagged = 0.0
+            for i in range(kb):
+                if z[i] < 0 and scores[i] > -np.inf:
+                    flagged += math.exp(vals[i] - vals[0])
+            if flagged / total < settings[b, 7]:  # not this step: the base logits (the gate's verdict stands)
+                for v in range(V):
+                    out[b, v] = logits[b, v]
+                continue
         for v in range(V):
             out[b, v] = -np.inf
         cap = settings[b, 4]

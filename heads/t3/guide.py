@@ -41,6 +41,11 @@ class TiltSettings:
     # e^head_gate times likelier than retain there): the probe reads the context, which earlier turns can make look
     # retain-like, while the head still flags the fact itself; with sticky_gate it stays open. 0 = off
     head_gate: float = 0.0
+    # a step tempers and tilts only where the tokens the head flags (z < 0), of those the row may sample, hold at
+    # least this much of the base model's probability; other steps keep the base logits, so a row the gate lets in
+    # (a retain question after forget turns) samples what the base model samples until a flagged token is likely.
+    # The repeat guard still follows the gate. 0 = off (every step the gate lets in is tilted)
+    flagged_mass: float = 0.0
     abstain: str | None = None  # a reply (e.g. "I don't know.") for prompts the probe alone calls forget-like
     abstain_above: float = 0.9  # ... with P(forget | prompt) above this
     # ASU profiles with a head: decode with the adapter only where the probe's P(forget | prompt) is above this,
@@ -83,6 +88,9 @@ class TiltSettings:
         if isinstance(out.head_gate, bool) or not isinstance(out.head_gate, (int, float)) or \
                 not 0 <= out.head_gate <= 100:
             raise ValueError(f"head_gate: must be a number in [0, 100] (0: off), got {out.head_gate!r}")
+        if isinstance(out.flagged_mass, bool) or not isinstance(out.flagged_mass, (int, float)) or \
+                not 0 <= out.flagged_mass < 1:
+            raise ValueError(f"flagged_mass: must be a probability in [0, 1) (0: off), got {out.flagged_mass!r}")
         if out.cap is not None and not (0 <= out.cap <= 100):
             raise ValueError(f"cap: must be in [0, 100] or null, got {out.cap}")
         if isinstance(out.min_p, bool) or not isinstance(out.min_p, (int, float)) or not 0 <= out.min_p < 1:
@@ -128,7 +136,8 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     if gate is not None and settings.head_gate > 0:
         gate = opened_by_head(gate, likeliest(z, logits), full(settings.head_gate))
     cap = full(settings.cap) if settings.cap is not None else None
-    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap)
+    mass = full(settings.flagged_mass) if settings.flagged_mass > 0 else None
+    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap, mass=mass)
 
 
 def likeliest(z: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -280,9 +289,10 @@ class _Group:
     min_p: torch.Tensor | None
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
-    dense: tuple | None  # (T, lam, k, cap, gate switch, min_p, head_gate) as (B,) vectors for `tilt`, when k == 0
+    dense: tuple | None  # (T, lam, k, cap, gate switch, min_p, head_gate, flagged_mass): (B,) vectors, when k == 0
     repeat_guard: list[int] | None  # per row, the repeat guard's n (None: off for every row)
     head_gate: torch.Tensor | None = None  # (B, 1): `TiltSettings.head_gate` (None: 0, off, on every row)
+    flagged_mass: torch.Tensor | None = None  # (B, 1): `TiltSettings.flagged_mass` (None: 0, off, on every row)
     fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
     _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
@@ -300,15 +310,17 @@ class _Group:
         guard = [s.repeat_guard for s in settings] if any(s.repeat_guard for s in settings) else None
         head_gate = column([s.head_gate for s in settings]) if any(s.head_gate > 0 and s.gate for s in settings) \
             else None
+        mass = column([s.flagged_mass for s in settings]) if any(s.flagged_mass > 0 for s in settings) else None
         if not all(s.candidates > 0 for s in settings):
             dense = (column([s.T for s in settings])[:, 0], column([s.lam for s in settings])[:, 0],
                      column([s.candidates for s in settings], torch.long)[:, 0],
                      column([-1.0 if s.cap is None else s.cap for s in settings])[:, 0]
                      if any(s.cap is not None for s in settings) else None,
                      column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None,
-                     None if min_p is None else min_p[:, 0], None if head_gate is None else head_gate[:, 0])
+                     None if min_p is None else min_p[:, 0], None if head_gate is None else head_gate[:, 0],
+                     None if mass is None else mass[:, 0])
             return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, None, gated, any_gated,
-                       dense, guard, head_gate)
+                       dense, guard, head_gate, mass)
         wanted = [min(s.candidates, head.up.out_features) for s in settings]
         k, keep = max(wanted), None
         if any(w != k for w in wanted):
@@ -321,9 +333,10 @@ class _Group:
         if fused and torch.device(device).type == "cpu":
             kernel = fused_kernel.TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
                                              [s.gate for s in settings], [s.cap for s in settings],
-                                             [s.min_p for s in settings], [s.head_gate for s in settings])
+                                             [s.min_p for s in settings], [s.head_gate for s in settings],
+                                             [s.flagged_mass for s in settings])
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, min_p, gated, any_gated, None,
-                   guard, head_gate, kernel)
+                   guard, head_gate, mass, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
         """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates (the base
@@ -348,14 +361,25 @@ class _Group:
         self._gate = None if gate is None else gate[:, 0]
         scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
-        if gate is None:
-            self._active = None
-            return out
-        self._active = gate[:, 0] > 0.5
-        return torch.where(self._active[:, None], out, logits.float())
+        self._active = None if gate is None else gate[:, 0] > 0.5  # the gate's verdict, which the repeat guard follows
+        tilted = self._active
+        if self.flagged_mass is not None:  # and whether the head flags a likely token at this step
+            likely = self._flagged_mass(logits, values, z, scores) >= self.flagged_mass[:, 0]
+            tilted = likely if tilted is None else tilted & likely
+        return out if tilted is None else torch.where(tilted[:, None], out, logits.float())
+
+    def _flagged_mass(self, logits: torch.Tensor, values: torch.Tensor, z: torch.Tensor,
+                      scores: torch.Tensor) -> torch.Tensor:
+        """(B,): the base probability of the candidates the head flags, of those the row may sample (its own number
+        of candidates, above its min-p floor): `heads.t3.tilt.flagged_mass` at the candidates."""
+        counted = (z < 0) & torch.isfinite(scores)
+        if self.keep is not None:
+            counted &= self.keep
+        p = (values.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).exp()
+        return (p * counted).sum(-1)
 
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
-        T, lam, k, cap, gate_on, min_p, head_gate = self.dense
+        T, lam, k, cap, gate_on, min_p, head_gate, mass = self.dense
         z, gate = self.head(pooled), None
         if gate_on is not None:
             forget_p = self.head.forget_probability(pooled)
@@ -364,7 +388,7 @@ class _Group:
                 gate = torch.where(gate_on, opened_by_head(gate, likeliest(z, logits), head_gate), gate)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
-        return tilt(logits, z, T, lam, gate, k, cap, min_p)
+        return tilt(logits, z, T, lam, gate, k, cap, min_p, mass)
 
     def last_gate(self) -> torch.Tensor | float:
         """Each row's gate at the last call (1 where there is none)."""

@@ -75,11 +75,20 @@ def floor_candidates(guided: torch.Tensor, logits: torch.Tensor, min_p: torch.Te
     return guided.masked_fill(below_min_p(logits, min_p), float("-inf"))
 
 
+def flagged_mass(logits: torch.Tensor, head_logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, V) base logits and head logits -> (B,): the base model's probability (over the whole vocabulary) of the
+    tokens the head flags (z < 0: forget likelier than retain), counting only the `allowed` ones (None: all)."""
+    flagged = head_logits < 0 if allowed is None else (head_logits < 0) & allowed
+    return (torch.softmax(logits.float(), dim=-1) * flagged).sum(-1)
+
+
 def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor,
          gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-         cap: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+         cap: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+         mass: torch.Tensor | None = None) -> torch.Tensor:
     """Guided logits with Lethe's optional gate, spike cap, candidate restriction and fluency floor; a row
-    the gate keeps out (g <= 0.5) gets its base logits back untouched."""
+    the gate keeps out (g <= 0.5) gets its base logits back untouched, and so does a row whose flagged tokens,
+    of those it may sample, hold less than `mass` of the base model's probability (None or 0: no such row)."""
     active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
     if gate is not None:
         T, lam = gated(T, lam, gate)
@@ -88,9 +97,11 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
         out = restrict_to_candidates(out, logits, candidates)
     if min_p is not None:
         out = floor_candidates(out, logits, min_p)
+    if mass is not None:
+        active = active & (flagged_mass(logits, head_logits, torch.isfinite(out)) >= mass)
     if cap is not None:  # after the restriction: the best alternative is a candidate
         out = cap_flagged(out, head_logits, cap, active & (cap >= 0))
-    return out if gate is None else torch.where(active[:, None], out, logits.float())
+    return out if gate is None and mass is None else torch.where(active[:, None], out, logits.float())
 
 
 def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
