@@ -82,7 +82,9 @@ class ProfileSpec(Strict):
     flagged_mass: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,
                                        description="A step is tempered and tilted only where the tokens the head flags "
                                                    "(of those the row may sample) hold at least this much of the base "
-                                                   "model's probability; other steps keep the base logits (0: off).")
+                                                   "model's probability; other steps keep the base logits (0: off). "
+                                                   "Generation only: log-likelihood scoring tilts every position "
+                                                   "the gate lets in.")
     candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
     min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,

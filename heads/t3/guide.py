@@ -44,7 +44,8 @@ class TiltSettings:
     # a step tempers and tilts only where the tokens the head flags (z < 0), of those the row may sample, hold at
     # least this much of the base model's probability; other steps keep the base logits, so a row the gate lets in
     # (a retain question after forget turns) samples what the base model samples until a flagged token is likely.
-    # The repeat guard still follows the gate. 0 = off (every step the gate lets in is tilted)
+    # The repeat guard still follows the gate. Generation only: log-likelihood scoring tilts every position the gate
+    # lets in (a scored text may hold an unlikely flagged token). 0 = off (every step the gate lets in is tilted)
     flagged_mass: float = 0.0
     abstain: str | None = None  # a reply (e.g. "I don't know.") for prompts the probe alone calls forget-like
     abstain_above: float = 0.9  # ... with P(forget | prompt) above this
@@ -136,8 +137,9 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     if gate is not None and settings.head_gate > 0:
         gate = opened_by_head(gate, likeliest(z, logits), full(settings.head_gate))
     cap = full(settings.cap) if settings.cap is not None else None
-    mass = full(settings.flagged_mass) if settings.flagged_mass > 0 else None
-    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap, mass=mass)
+    # no flagged_mass here: it keeps a step's base logits where a flagged token is unlikely to be sampled, but a scored
+    # text may hold that token (a multiple-choice option), and its score must be the tilted one
+    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap)
 
 
 def likeliest(z: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
