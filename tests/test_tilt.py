@@ -360,3 +360,33 @@ def test_flagged_mass_is_a_probability():
     for bad in (-0.1, 1, True, "0.1", float("nan")):
         with pytest.raises(ValueError, match="flagged_mass"):
             TiltSettings.from_dict({"flagged_mass": bad})
+
+
+@pytest.mark.parametrize("path", ["fused", "candidates", "dense"])
+def test_flagged_mass_counts_the_rows_own_candidates_above_its_floor_over_the_whole_vocabulary(path):
+    """Rows where each part of the definition decides: (a) two candidates, one flagged: half of the candidates' mass,
+    but 0.04 of the vocabulary's, and the flagged tokens outside the candidates would hold far more: untouched;
+    (b) a flagged token below the row's min-p floor, 0.23 of the mass were the floor ignored: untouched; (c) a
+    flagged token holding 0.6 of the mass among three candidates: tilted."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    head, direction = _probed_head(3)
+    z = head(-direction * 2)  # the probe calls this state forget-like: the gate is open
+    flagged, free = int(z.argmin()), int(z.argmax())
+    logits = torch.full((3, 40), 1.5)
+    logits[0, free] = logits[0, flagged] = 2.0
+    logits[1] = -5.0
+    logits[1, free], logits[1, flagged] = 5.0, 5.0 + math.log(0.3)
+    logits[2] = -5.0
+    logits[2, free], logits[2, flagged] = 4.0, 4.0 + math.log(1.6)
+    settings = [TiltSettings(flagged_mass=0.1, candidates=2), TiltSettings(flagged_mass=0.1, min_p=0.5),
+                TiltSettings(flagged_mass=0.5, candidates=3)]
+    rows = [(head, s) for s in settings]
+    pooled = (-direction * 2)[None].repeat(3, 1)
+    if path == "dense":  # a row over the whole vocabulary sends the group down the dense path
+        rows.append((head, TiltSettings(candidates=0)))
+        logits, pooled = torch.cat([logits, logits[:1]]), torch.cat([pooled, pooled[:1]])
+    with torch.inference_mode():
+        out = HeadGuide(rows, fused=path == "fused")(logits, pooled)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[1], logits[1])
+    assert not torch.equal(out[2], logits[2]) and out[2].argmax() == free

@@ -199,13 +199,15 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             if not zi < 0 and scores[i] > best_free:
                 best_free = scores[i]
         if settings[b, 7] > 0:  # tilt only where the flagged candidates are likely enough under the base model
-            total = 0.0
-            for v in range(V):
-                total += math.exp(logits[b, v] - vals[0])
             flagged = 0.0
             for i in range(kb):
                 if z[i] < 0 and scores[i] > -np.inf:
                     flagged += math.exp(vals[i] - vals[0])
+            total = 1.0  # at least the best token's exp(0): below the threshold already, no pass over the vocabulary
+            if flagged >= settings[b, 7]:
+                total = 0.0
+                for v in range(V):
+                    total += math.exp(logits[b, v] - vals[0])
             if flagged / total < settings[b, 7]:  # not this step: the base logits (the gate's verdict stands)
                 for v in range(V):
                     out[b, v] = logits[b, v]
