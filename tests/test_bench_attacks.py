@@ -20,7 +20,12 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     from lethe.heads.evaluation.metrics import EnglishWords
     from lethe.server.bench.attacks import CONTEXTS
 
+    from lethe.heads.evaluation.evaluate import corpus_vocabulary
+    from lethe.heads.records import read_jsonl
+    from lethe.server.bench.attacks import DEMO_SETS
+
     english = EnglishWords()
+    corpus = corpus_vocabulary(read_jsonl(DEMO_SETS / "forget.jsonl") + read_jsonl(DEMO_SETS / "retain.jsonl"))
 
     out = tmp_path / "attacks.json"
     assert main(["bench", "attacks", "--quick", "--limit", "4", "--seed", "3", "--port", str(_free_port()),
@@ -45,7 +50,8 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
         for side in ("base", "profile"):  # the words the non-word rate counts, most frequent first
             listed = forget[f"nonwords_{side}"]
             assert bool(listed) == (forget[f"fluency_{side}"]["nonword"] > 0), (name, side)
-            assert all(w not in english for w, _ in listed) and [n for _, n in listed] == sorted(
+            # neither English nor the demo's own words (its made-up names are the words of its corpus)
+            assert all(w not in english and w not in corpus for w, _ in listed) and [n for _, n in listed] == sorted(
                 [n for _, n in listed], reverse=True)
     plain = rows["plain"]["forget"]
     assert plain["hits_base"] > 0 and plain["hits_profile"] < plain["hits_base"]  # known, then forgotten

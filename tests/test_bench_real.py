@@ -26,6 +26,10 @@ def test_english_words_count_regular_inflections_and_refuse_stitched_names():
     words = EnglishWords()
     assert all(w in words for w in ("countries", "located", "written", "capital", "the", "paris", "cities"))
     assert not any(w in words for w in ("babagallitha", "tokumababa", "coriobella"))
+    # the demo's made-up names are words of its world: given as extra words, they and their inflections count
+    demo = EnglishWords(["Zapeavund", "Kaikoleas"])
+    assert all(w in demo for w in ("zapeavund", "zapeavund's", "kaikoleas", "capital"))
+    assert "zapeavund" not in words and "zapeavun" not in demo and "babagallitha" not in demo
 
 
 def test_every_kind_holds_out_its_last_question():

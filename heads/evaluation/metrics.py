@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 
@@ -27,15 +28,16 @@ def has_loop(text: str) -> bool:
 
 class EnglishWords:
     """English words (the `english-words` package's web2 and GCIDE lists, lower case) with the regular
-    inflections of a listed word (-s, -es, -ies, -ed, -ing, -'s) counted as words too."""
+    inflections of a listed word (-s, -es, -ies, -ed, -ing, -'s) counted as words too. `extra`: words of the model's
+    own world that count too (the demo's made-up names and places, which are words of the corpus it learnt)."""
 
-    def __init__(self):
+    def __init__(self, extra: Iterable[str] = ()):
         try:
             from english_words import get_english_words_set
         except ImportError:
             raise ImportError("the non-word rate needs the `english-words` package: pip install 'lethe[bench]'") \
                 from None
-        self.words = get_english_words_set(["web2", "gcide"], lower=True)
+        self.words = get_english_words_set(["web2", "gcide"], lower=True) | {w.lower() for w in extra}
 
     def __contains__(self, word: str) -> bool:
         w, known = word.lower(), self.words

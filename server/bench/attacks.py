@@ -12,7 +12,8 @@ model: the demo's forget and retain sets (the README's head), a forget item kept
 Contexts around each question (`CONTEXTS`): system prompts, a preamble, few-shot turns, earlier turns, a long
 unrelated document, instructions on the answer's form, other languages, multiple choice, a forced answer prefix.
 Forget questions count gold hits, profile against base; retain questions count answers identical to the base
-model's. Chat models are asked through /v1/chat/completions (the forced prefix through /v1/completions, on the
+model's; fluency counts the answers' non-words (words neither English nor, on the demo, of the demo's corpus, whose
+made-up names are its words), repeated 3-grams and loops. Chat models are asked through /v1/chat/completions (the forced prefix through /v1/completions, on the
 chat template's text); the demo, which has no chat template, through /v1/completions with the server's
 Question/Answer rendering of the same turns. Long texts are cut to the model's context where it is short (the demo:
 256 tokens).
@@ -37,9 +38,10 @@ from pathlib import Path
 
 import httpx
 
-from lethe.heads.evaluation.evaluate import words
+from lethe.heads.evaluation.evaluate import corpus_vocabulary, words
 from lethe.heads.evaluation.facts import KINDS, hit, records
 from lethe.heads.evaluation.metrics import EnglishWords, has_loop
+from lethe.heads.records import read_jsonl
 from lethe.server.bench import shown_path
 from lethe.server.bench.real import fluency
 
@@ -372,8 +374,6 @@ class AttackBench:
     def facts_for_demo(self, moved: int = 0) -> Facts:
         """The demo's sets (the README's head): forget items the base model answers with their fact. `moved`: the
         first authors of the retain set that go to the forget set too (the demo's forget set has four)."""
-        from lethe.heads.records import read_jsonl
-
         forget_records, retain_records = read_jsonl(DEMO_SETS / "forget.jsonl"), read_jsonl(DEMO_SETS / "retain.jsonl")
         authors = list(dict.fromkeys(r["author"] for r in retain_records))[:moved]
         forget_records += [r for r in retain_records if r["author"] in authors]
@@ -510,7 +510,8 @@ class AttackBench:
         self.facts = self.facts_for_chat() if self.chat else self.facts_for_demo()
         head = self.made(self.cfg.backend)
         contexts = [c for c in CONTEXTS if (self.chat or not c.language) and asks(self.cfg.only, c.name)]
-        vocab = EnglishWords()
+        vocab = EnglishWords() if self.chat else EnglishWords(corpus_vocabulary(
+            read_jsonl(DEMO_SETS / "forget.jsonl") + read_jsonl(DEMO_SETS / "retain.jsonl")))
         rows = [self.row(ctx, label, runs, vocab) for label, runs in self.decodings() for ctx in contexts]
         report = {
             "model": shown_path(self.lm.path), "fingerprint": self.lm.fingerprint, "engine": self.engine,
