@@ -5,7 +5,7 @@ one (`slots`) of another tenant while the first runs: the two take turns of `tur
 so a tenant's short job starts within a turn however long another tenant's job is. A job's time budget counts
 its own turns only.
 
-A job moves through queued -> running (phases: caching, fitting, evaluating, saving; for ASU:
+A job moves through queued -> running (phases: caching, fitting, calibrating, evaluating, saving; for ASU:
 copying, distilling, saving) -> succeeded, failed or cancelled. Progress (0-1) and metrics are written to its row, which `GET /v1/jobs/{id}` and the
 event stream read. The head file is written atomically before its row is inserted, so a crash
 leaves either no head or a complete one.
@@ -349,11 +349,11 @@ class JobRunner:
     def _train(self, job: dict, cancel: threading.Event) -> None:
         job_id, tenant_id = job["id"], job["tenant_id"]
         params, forget, retain = self._inputs(job)
-        progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.85),
-                                                    "evaluating": (0.85, 0.95)})
+        progress = self._progress(job_id, cancel, {"caching": (0.0, 0.45), "fitting": (0.45, 0.8),
+                                                    "calibrating": (0.8, 0.85), "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
                                                    "common_df", "seed", "format", "pooling_window", "answer_forms",
-                                                   "contexts", "context_shift")
+                                                   "contexts", "context_shift", "gate_answers")
                            if k in params})
         lm = self._private()
         head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)

@@ -176,6 +176,11 @@ class HeadJobRequest(Strict):
                                              "contexts it never saw, at no extra pass of the model; 0: off. An "
                                              "option, not the default: docs/forgetting-in-context.md gives what it "
                                              "gained and cost.")
+    gate_answers: int = Field(64, ge=0, le=1024,
+                              description="Retain questions the base model answers (greedy) once the head is fitted: "
+                                          "the head's recommended `head_gate` is one nat past the lowest head logit "
+                                          "of a token those answers chose, so none of them would open the gate; "
+                                          "0: the head recommends no head_gate.")
 
 
 class ASUJobRequest(Strict):

@@ -60,7 +60,8 @@ def tenant_a(live, tiny_records):
     assert phases[-1]["status"] == "succeeded" and phases[-1]["progress"] == 1.0, phases[-1]
     assert [p["progress"] for p in phases] == sorted(p["progress"] for p in phases)
     head = phases[-1]["head"]
-    assert {p["phase"] for p in phases} <= {"queued", "caching", "fitting", "evaluating", "saving", "done"}
+    assert {p["phase"] for p in phases} <= {"queued", "caching", "fitting", "calibrating", "evaluating",
+                                           "saving", "done"}
     metrics = client.get(f"/v1/heads/{head}").json()["metrics"]
     assert metrics["heldout_auc"] > 0.8
     assert metrics["sample_forget_rouge_head"] < metrics["sample_forget_rouge_base"]

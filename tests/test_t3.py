@@ -255,3 +255,41 @@ def test_records_that_name_their_fact_also_train_on_it_alone(tiny_lm, split):
     _, plain = train_head(tiny_lm, forget, retain, progress=False)
     assert plain.metrics["answer_form_records"] == [0, 0]
     assert info.metrics["positions"] > plain.metrics["positions"]
+
+
+class _Reader:
+    """A guide that leaves the logits as they are and reads the head's logit of the token greedy picks."""
+
+    def __init__(self, head):
+        self.head, self.seen = head, []
+
+    def __call__(self, logits, pooled):
+        self.seen.append(float(self.head.token_logit(pooled.float(), logits.argmax(-1)).min()))
+        return logits
+
+    def kept(self, idx):
+        return self
+
+    def row(self, i):  # the head of every row: decoding pools over its window
+        return self.head, TiltSettings()
+
+
+def test_the_head_recommends_a_head_gate_no_retain_answer_it_read_would_open(tiny_lm, trained, split):
+    from lethe.heads.t3.calibrate import MARGIN, asked
+    from lethe.heads.t3.train import FitConfig
+
+    head, info = trained
+    _, retain = split
+    questions = asked(retain, 64)
+    calibration = info.metrics["head_gate"]
+    assert calibration["answers"] == len(questions) == min(64, len({r["question"] for r in retain}))
+    # the lowest logit is the one decoding reads: the head's logit of each token the base model picks, step by step
+    reader = _Reader(head)
+    for r in questions:
+        generate(tiny_lm.model, tiny_lm.tokenizer, [question_prompt(r["question"])],
+                 SamplingParams(max_new_tokens=32, temperature=0.0), reader)
+    assert calibration["lowest_logit"] == pytest.approx(min(reader.seen), abs=1e-2)
+    assert info.profile["head_gate"] == round(MARGIN + max(0.0, -min(reader.seen)), 2) > 0
+    # 0 answers: the head recommends no head_gate, and training reads no answer
+    _, plain = train_head(tiny_lm, *split, FitConfig(gate_answers=0), progress=False)
+    assert plain.profile["head_gate"] == 0 and "head_gate" not in plain.metrics

@@ -49,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-shift", type=float, default=0.0,
                    help="share of training rows that also get a context's change of the pooled state, drawn from "
                         "what the trained contexts did to the same answers; 0: off (default; see docs/forgetting-in-context.md)")
+    p.add_argument("--gate-answers", type=int, default=None,
+                   help="retain questions the base model answers once the head is fitted, to set the head's "
+                        "recommended head_gate one nat past the lowest head logit of a token those answers chose; "
+                        "0: no head_gate (default 64)")
     p.add_argument("--quiet", action="store_true")
     _add_format_arg(p)
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
@@ -72,7 +76,8 @@ def cmd_heads_train(args) -> int:
     cfg = FitConfig(rank=args.rank, lr=args.lr, weight_decay=args.weight_decay, max_epochs=args.epochs,
                     balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format,
                     pooling_window=args.pooling_window, answer_forms=args.answer_forms, contexts=args.contexts,
-                    context_shift=args.context_shift)
+                    context_shift=args.context_shift,
+                    **({} if args.gate_answers is None else {"gate_answers": args.gate_answers}))
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))

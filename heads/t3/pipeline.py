@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 
 from lethe.heads.t3.cache import build_cache, context_shifts
+from lethe.heads.t3.calibrate import asked, head_gate_for, lowest_chosen_logit
 from lethe.heads.t3.contexts import context_counts, context_examples, draw_contexts
 from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import HeadInfo, T3Head
@@ -19,7 +20,8 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
                progress: bool = True, on_progress=None) -> tuple[T3Head, HeadInfo]:
     """Train a head that tells `forget` continuations from `retain` ones, on `lm`'s final hidden states.
 
-    `on_progress(phase, fraction)` reports "caching" then "fitting"; it may raise to cancel.
+    `on_progress(phase, fraction)` reports "caching", "fitting", then "calibrating" (the recommended head_gate,
+    `heads.t3.calibrate`, where `cfg.gate_answers`); it may raise to cancel.
     """
     report = (lambda phase: (lambda f: on_progress(phase, f))) if on_progress else (lambda phase: None)
     cfg = cfg or FitConfig()
@@ -49,6 +51,19 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     cache_seconds = time.perf_counter() - started
     head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"),
                              shifts=shifts)
+    profile = asdict(PRESETS["default"])
+    if cfg.gate_answers > 0:
+        calibrated = time.perf_counter()
+        if on_progress is not None:
+            on_progress("calibrating", 0.0)
+        questions = asked(retain, cfg.gate_answers)
+        lowest = lowest_chosen_logit(lm, head, questions, fmt)
+        profile["head_gate"] = head_gate_for(lowest)
+        metrics["head_gate"] = {"answers": len(questions), "lowest_logit": None if lowest is None else round(lowest, 3),
+                                "head_gate": profile["head_gate"],
+                                "seconds": round(time.perf_counter() - calibrated, 3)}
+        if on_progress is not None:
+            on_progress("calibrating", 1.0)
     metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
                 "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
                 "context_records": added,
@@ -56,7 +71,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     info = HeadInfo(base_fingerprint=lm.fingerprint, d=lm.model.config.hidden_size,
                     vocab=lm.model.config.vocab_size, rank=cfg.rank, pooling=pooling_name(cfg.pooling_window),
                     prompt_format=PROMPT_FORMAT if fmt == "qa" else fmt,
-                    profile=asdict(PRESETS["default"]), training=metrics.pop("config"), metrics=metrics)
+                    profile=profile, training=metrics.pop("config"), metrics=metrics)
     return head, info
 
 

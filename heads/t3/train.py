@@ -53,6 +53,10 @@ class FitConfig:
     # the share of training rows, drawn afresh every batch, to which a context's shift of the pooled state is added
     # (one drawn from what the contexts did to the same answers: heads.t3.cache.context_shifts); 0: off
     context_shift: float = 0.0
+    # retain questions the base model answers (greedy) once the head is fitted, to set the head's recommended
+    # head_gate one nat past the lowest head logit of a token those answers chose (heads.t3.calibrate); 0: no
+    # head_gate (off)
+    gate_answers: int = 64
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

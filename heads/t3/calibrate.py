@@ -1,0 +1,58 @@
+"""The head's recommended `head_gate`, calibrated on the base model's own retain answers when the head is trained.
+
+`head_gate` t opens the gate at a step whose base-likeliest token the head scores below -t, whatever the probe read
+from the context (`heads.t3.guide.TiltSettings.head_gate`): it catches a forget question the earlier turns made look
+retain-like. One t does not fit every model. On the demo, t = 2 caught the leaks after two retain turns (0.15 ->
+0.025) and changed no more retain answers; on SmolLM2 it changed a fifth of them (retain answers identical 0.80
+where they were 1.00): the head reads the model's own wording there, which the sets' answers do not show. So the
+head job answers up to `n` retain questions greedily with the base model, reads the head's logit of each token
+those answers chose, step by step, on the pooled states decoding has there, and recommends t one nat past the
+lowest: no answer it read would have opened the gate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lethe.heads.t3.head import T3Head
+from lethe.heads.t3.pooling import pooled_positions
+
+MARGIN = 1.0  # nats past the lowest logit seen
+MAX_GATE = 100.0  # TiltSettings' bound
+
+
+def asked(records: list[dict], n: int) -> list[dict]:
+    """Up to `n` records with distinct questions, evenly spread through `records` (each subject gets its share)."""
+    unique = list({r["question"]: r for r in records if isinstance(r.get("question"), str)}.values())
+    return unique if n >= len(unique) else [unique[i * len(unique) // n] for i in range(n)]
+
+
+@torch.inference_mode()
+def lowest_chosen_logit(lm, head: T3Head, questions: list[dict], fmt: str, max_new_tokens: int = 32) -> float | None:
+    """The lowest head logit of a token the base model chose, step by step, in its greedy answers to `questions`
+    (the end-of-text token too, where an answer ended with it): the logit `head_gate` reads at those steps, on the
+    pooled states decoding has there. None: no step."""
+    from lethe.heads.decoding.decode import forward_last_hidden, generate_chunked, next_logits
+    from lethe.heads.decoding.sampling import SamplingParams
+    from lethe.heads.records import ask
+
+    prompts = [ask(r["question"], fmt, lm.tokenizer) for r in questions]
+    said = generate_chunked(lm.model, lm.tokenizer, prompts, SamplingParams(max_new_tokens=max_new_tokens,
+                                                                             temperature=0.0))
+    device, lowest = next(lm.model.parameters()).device, None
+    for prompt, answer in zip(prompts, said):
+        ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"] + answer.token_ids
+        steps = len(answer.token_ids) + (answer.finish_reason == "stop")  # the step that chose end-of-text too
+        at = torch.arange(len(ids) - len(answer.token_ids) - 1, len(ids))[:steps]  # positions whose next is chosen
+        x = torch.tensor([ids], device=device)
+        hidden = forward_last_hidden(lm.model, x, torch.ones_like(x), torch.arange(len(ids), device=device)[None],
+                                     None)[0]
+        chosen = next_logits(lm.model, hidden[at]).argmax(-1)
+        z = head.token_logit(pooled_positions(hidden, head.window)[at].float(), chosen)
+        lowest = float(z.min()) if lowest is None else min(lowest, float(z.min()))
+    return lowest
+
+
+def head_gate_for(lowest: float | None) -> float:
+    """The recommended head_gate: `MARGIN` past the lowest logit seen on retain answers (0, off, where none was)."""
+    return 0.0 if lowest is None else round(min(MAX_GATE, MARGIN + max(0.0, -lowest)), 2)
