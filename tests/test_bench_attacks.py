@@ -66,6 +66,10 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     assert len(measured) == 5 and all(isinstance(b["pass"], bool) and b["checks"] > 0 for b in measured)
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} | greedy |" in table for name in in_english) and "| raw | forget |" in table
+    # the profile takes the head's calibrated head_gate (no setting given), and the table says which
+    gate = report["head"]["metrics"]["head_gate"]["head_gate"]
+    assert gate > 0 and report["head"]["profile"]["spec"]["head_gate"] == gate
+    assert f"the profile's head_gate {gate}." in table
     assert report["command"].startswith("lethe bench attacks --model ") and "--quick" in report["command"]
     assert report["engine"] == "torch" and "--engine" not in report["command"]  # the server's own /version
     assert report["head"]["request"]["seed"] == 3 and "--seed 3" in report["command"]  # the head job's draw

@@ -652,13 +652,19 @@ def _arrow(base, profile) -> str:
 _MADE = {"t3": "head", "asu": "ASU weights", "asu+t3": "head and ASU weights (routed by the head's probe)"}
 
 
+def _gate(head: dict) -> str:
+    """The profile's head_gate, where it has one (the head's calibrated recommendation, or the bench's setting)."""
+    value = (head.get("profile") or {}).get("spec", {}).get("head_gate")
+    return f"; the profile's head_gate {value}" if value else ""
+
+
 def markdown(report: dict) -> str:
     """One row per context and decoding, then the log-likelihood table and the bars."""
     lines = [f"`{report['model']}` ({report['format']}, {report['route']}, engine {report.get('engine', 'torch')}), "
              f"{_MADE[report['config'].get('backend', 't3')]} trained in "
              f"{report['head']['train_seconds']} s on {report['facts']['train_records'][0]} forget and "
              f"{report['facts']['train_records'][1]} retain records; {report['facts']['forget_asked']} forget and "
-             f"{report['facts']['retain_asked']} retain questions.", "",
+             f"{report['facts']['retain_asked']} retain questions{_gate(report['head'])}.", "",
              "| context | decoding | forget hits base -> profile | retain identical | retain hits base -> profile "
              "| forget non-words base / profile | repeated 3-grams base / profile | loops base / profile "
              "| prompt tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
