@@ -1,5 +1,5 @@
 """Issue 24: head training time, whole-context mean without fact forms (the release before issue 24) against the
-defaults (window 16, fact forms, contexts) and variants, each as a ratio to the first.
+defaults (window 16, fact forms, contexts, the head_gate calibration) and variants, each as a ratio to the first.
 Run: .venv/bin/python scripts/experiments/training_time.py demo|real [CONTEXTS_SHARE ...]
 (demo: median of 3; real: one each; shares: the `contexts` of extra runs, default none)."""
 import sys, time, json, statistics
@@ -27,8 +27,9 @@ shared_cache = pipeline.build_cache
 def unshared_cache(*args, groups=None, **kwargs):  # the release before: no shared first tokens
     return shared_cache(*args, **kwargs)
 runs = [("the release before: whole context, no fact forms, no shared prefixes",
-         FitConfig(pooling_window=0, answer_forms=False, contexts=0)),
-        ("window 16, fact forms, no contexts", FitConfig(contexts=0)), ("default", FitConfig())]
+         FitConfig(pooling_window=0, answer_forms=False, contexts=0, gate_answers=0)),
+        ("window 16, fact forms, no contexts", FitConfig(contexts=0, gate_answers=0)),
+        ("default but no head_gate calibration", FitConfig(gate_answers=0)), ("default", FitConfig())]
 runs += [(f"contexts {share}", FitConfig(contexts=float(share))) for share in sys.argv[2:]]
 for name, cfg in runs:
     times = []
