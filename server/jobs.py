@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from lethe.heads.t3.guide import TiltSettings
 from lethe.heads.t3.head import save_head
 from lethe.heads.io import crash_point
 from lethe.heads.t3.pipeline import quick_check, train_head
@@ -314,7 +315,6 @@ class JobRunner:
 
         from lethe.heads.asu.weights import attach, load_asu
         from lethe.heads.evaluation.evaluate import EvalConfig, Profile, evaluate
-        from lethe.heads.t3.guide import TiltSettings
         from lethe.server.profiles import asu_repeat_guard
 
         job_id, tenant_id = job["id"], job["tenant_id"]
@@ -358,7 +358,9 @@ class JobRunner:
         lm = self._private()
         head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)
         progress("evaluating", 0.0)
-        info.metrics |= quick_check(lm, head, forget, retain, fmt=cfg.format)
+        # as a profile of this head serves it: the head's recommended settings (its calibrated head_gate)
+        info.metrics |= quick_check(lm, head, forget, retain, fmt=cfg.format,
+                                    settings=TiltSettings.from_dict(info.profile))
         del lm
         if cancel.is_set():
             raise Cancelled()

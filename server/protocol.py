@@ -78,9 +78,9 @@ class ProfileSpec(Strict):
     head_gate: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
                                     description="The gate also opens where the head scores the base model's likeliest "
                                                 "next token below -head_gate (forget e^head_gate times likelier than "
-                                                "retain there), whatever the probe says of the context (0: off; not given: "
-                                                "the head's recommendation, calibrated on the base model's own retain "
-                                                "answers when it was trained).")
+                                                "retain there), whatever the probe says of the context (0: off; not given "
+                                                "and no preset: the head's recommendation, calibrated on the base "
+                                                "model's own retain answers when it was trained).")
     flagged_mass: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,
                                        description="A step is tempered and tilted only where the tokens the head flags "
                                                    "(of those the row may sample) hold at least this much of the base "

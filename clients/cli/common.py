@@ -79,8 +79,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sticky-gate", action=argparse.BooleanOptionalAction, default=None,
                    help="once the gate opens in an answer, keep it at least as open for the rest of the answer")
     p.add_argument("--head-gate", type=float, help="the gate also opens where the head scores the base model's "
-                                                   "likeliest token below -HEAD_GATE (0: off; default: the head's "
-                                                   "calibrated recommendation)")
+                                                   "likeliest token below -HEAD_GATE (0: off; default without "
+                                                   "--preset: the head's calibrated recommendation)")
     p.add_argument("--flagged-mass", type=float, help="temper and tilt a step only where the tokens the head flags "
                                                       "hold at least this base probability (0: off)")
     p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")

@@ -28,27 +28,35 @@ def asked(records: list[dict], n: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def lowest_chosen_logit(lm, head: T3Head, questions: list[dict], fmt: str, max_new_tokens: int = 32) -> float | None:
+def lowest_chosen_logit(lm, head: T3Head, questions: list[dict], fmt: str, max_new_tokens: int = 32,
+                        on_progress=None) -> float | None:
     """The lowest head logit of a token the base model chose, step by step, in its greedy answers to `questions`
-    (the end-of-text token too, where an answer ended with it): the logit `head_gate` reads at those steps, on the
-    pooled states decoding has there. None: no step."""
+    (the end-of-text token too, where an answer ended with it; the first `max_new_tokens` of a longer one): the logit
+    `head_gate` reads at those steps, on the pooled states decoding has there. None: no step. `on_progress(fraction)`
+    is called before each batch of answers and after each answer read (it may raise to stop)."""
     from lethe.heads.decoding.decode import forward_last_hidden, generate_chunked, next_logits
     from lethe.heads.decoding.sampling import SamplingParams
     from lethe.heads.records import ask
 
     prompts = [ask(r["question"], fmt, lm.tokenizer) for r in questions]
+    report = on_progress or (lambda fraction: None)
     said = generate_chunked(lm.model, lm.tokenizer, prompts, SamplingParams(max_new_tokens=max_new_tokens,
-                                                                             temperature=0.0))
+                                                                             temperature=0.0),
+                            before_chunk=lambda: report(0.0))
     device, lowest = next(lm.model.parameters()).device, None
-    for prompt, answer in zip(prompts, said):
+    for i, (prompt, answer) in enumerate(zip(prompts, said)):
+        report((i + 1) / len(prompts))
         ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"] + answer.token_ids
         steps = len(answer.token_ids) + (answer.finish_reason == "stop")  # the step that chose end-of-text too
         at = torch.arange(len(ids) - len(answer.token_ids) - 1, len(ids))[:steps]  # positions whose next is chosen
+        if answer.finish_reason not in ("stop", "length") or not len(at):  # a row that failed: nothing to read
+            continue
         x = torch.tensor([ids], device=device)
         hidden = forward_last_hidden(lm.model, x, torch.ones_like(x), torch.arange(len(ids), device=device)[None],
                                      None)[0]
         chosen = next_logits(lm.model, hidden[at]).argmax(-1)
-        z = head.token_logit(pooled_positions(hidden, head.window)[at].float(), chosen)
+        # decode_terms: the head's weights on the model's device (a head trained on the CPU serves a GPU model)
+        z = head.decode_terms(pooled_positions(hidden, head.window)[at].float(), chosen[:, None])[1][:, 0]
         lowest = float(z.min()) if lowest is None else min(lowest, float(z.min()))
     return lowest
 

@@ -54,16 +54,12 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     profile = asdict(PRESETS["default"])
     if cfg.gate_answers > 0:
         calibrated = time.perf_counter()
-        if on_progress is not None:
-            on_progress("calibrating", 0.0)
         questions = asked(retain, cfg.gate_answers)
-        lowest = lowest_chosen_logit(lm, head, questions, fmt)
+        lowest = lowest_chosen_logit(lm, head, questions, fmt, on_progress=report("calibrating"))
         profile["head_gate"] = head_gate_for(lowest)
         metrics["head_gate"] = {"answers": len(questions), "lowest_logit": None if lowest is None else round(lowest, 3),
                                 "head_gate": profile["head_gate"],
                                 "seconds": round(time.perf_counter() - calibrated, 3)}
-        if on_progress is not None:
-            on_progress("calibrating", 1.0)
     metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
                 "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
                 "context_records": added,
@@ -76,9 +72,10 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
 
 
 def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[dict], n: int = 24,
-                fmt: str = "auto") -> dict:
-    """Greedy ROUGE-L recall with and without the head on up to `n` records of each set that have
-    TOFU fields: a first look at whether the head forgets and keeps what it should."""
+                fmt: str = "auto", settings: TiltSettings | None = None) -> dict:
+    """Greedy ROUGE-L recall with and without the head (under `settings`; default: the default preset) on up to
+    `n` records of each set that have TOFU fields: a first look at whether the head forgets and keeps what it
+    should."""
     import statistics
 
     from lethe.heads.decoding.decode import generate_chunked
@@ -89,7 +86,7 @@ def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[
 
     out = {}
     fmt = resolve_format(lm.tokenizer, fmt)
-    guide = HeadGuide.uniform(head, TiltSettings.from_dict(PRESETS["default"].as_dict()))
+    guide = HeadGuide.uniform(head, settings or TiltSettings.from_dict(PRESETS["default"].as_dict()))
     params = SamplingParams(max_new_tokens=64, temperature=0.0)
     for name, records in (("forget", forget), ("retain", retain)):
         qa = [r for r in records if "question" in r and "answer" in r]

@@ -46,8 +46,10 @@ def quality_table(lm, reference, forget: list[dict], retain: list[dict], cfg: Ev
                   log=print) -> list[tuple[str, dict]]:
     cfg = cfg or EvalConfig()
     vocab = corpus_vocabulary(forget + retain)
-    paper_head, _ = train_head(lm, forget, retain, FitConfig(common_df=1.0, balance=False), progress=False)
-    lethe_head, _ = train_head(lm, forget, retain, FitConfig(), progress=False)
+    # the rows decode with the presets (head_gate 0), so the heads are not calibrated for one (gate_answers 0)
+    paper_head, _ = train_head(lm, forget, retain, FitConfig(common_df=1.0, balance=False, gate_answers=0),
+                               progress=False)
+    lethe_head, _ = train_head(lm, forget, retain, FitConfig(gate_answers=0), progress=False)
     ref_trs = truth_ratios(reference.model, reference.tokenizer, forget, Profile("reference"))
     rows = [("full model", evaluate(lm, forget, retain, Profile("full"), reference, vocab, cfg, ref_trs)),
             ("reference (retain-only model)", evaluate(reference, forget, retain, Profile("reference"), reference,
@@ -96,7 +98,7 @@ def asu_table(lm, reference, forget: list[dict], retain: list[dict], taus=(4.0, 
     vocab = corpus_vocabulary(forget + retain)
     ref_trs = truth_ratios(reference.model, reference.tokenizer, forget, Profile("reference"))
     started = time.perf_counter()
-    head, _ = train_head(lm, forget, retain, FitConfig(), progress=False)
+    head, _ = train_head(lm, forget, retain, FitConfig(gate_answers=0), progress=False)  # decoded with a preset
     t3_seconds = time.perf_counter() - started
     rows = []
 
