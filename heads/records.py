@@ -203,6 +203,13 @@ def _prompt_only(record: object, line: int) -> None:
     _text(record, "prompt", line)
 
 
+def spread(items: list, n: int | None) -> list:
+    """At most `n` items, evenly spaced through `items` (every author or kind gets its share)."""
+    if n is None or n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def read_jsonl(path: Path, prompts_only: bool = False) -> list[dict]:
     """Records of a JSON Lines file: training records, or (prompts_only) `{"prompt": ...}` lines."""
     path = Path(path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from lethe.heads.records import spread
 from lethe.heads.t3.head import T3Head
 from lethe.heads.t3.pooling import pooled_positions
 
@@ -23,8 +24,7 @@ MAX_GATE = 100.0  # TiltSettings' bound
 
 def asked(records: list[dict], n: int) -> list[dict]:
     """Up to `n` records with distinct questions, evenly spread through `records` (each subject gets its share)."""
-    unique = list({r["question"]: r for r in records if isinstance(r.get("question"), str)}.values())
-    return unique if n >= len(unique) else [unique[i * len(unique) // n] for i in range(n)]
+    return spread(list({r["question"]: r for r in records if isinstance(r.get("question"), str)}.values()), n)
 
 
 @torch.inference_mode()

@@ -86,7 +86,7 @@ def quick_check(lm: LoadedModel, head: T3Head, forget: list[dict], retain: list[
 
     out = {}
     fmt = resolve_format(lm.tokenizer, fmt)
-    guide = HeadGuide.uniform(head, settings or TiltSettings.from_dict(PRESETS["default"].as_dict()))
+    guide = HeadGuide.uniform(head, settings or PRESETS["default"])
     params = SamplingParams(max_new_tokens=64, temperature=0.0)
     for name, records in (("forget", forget), ("retain", retain)):
         qa = [r for r in records if "question" in r and "answer" in r]

@@ -41,7 +41,7 @@ import httpx
 from lethe.heads.evaluation.evaluate import corpus_vocabulary, words
 from lethe.heads.evaluation.facts import KINDS, hit, records
 from lethe.heads.evaluation.metrics import EnglishWords, has_loop
-from lethe.heads.records import read_jsonl
+from lethe.heads.records import read_jsonl, spread
 from lethe.server.bench import shown_path
 from lethe.server.bench.real import fluency
 
@@ -191,13 +191,6 @@ class Facts:
     retain_pool: list[dict]
     options: dict[str, list[str]]  # kind -> every gold of that kind
     known: dict
-
-
-def spread(items: list, n: int | None) -> list:
-    """At most `n` items, evenly spaced through `items` (every author or kind gets its share)."""
-    if n is None or n >= len(items):
-        return list(items)
-    return [items[i * len(items) // n] for i in range(n)]
 
 
 def demo_item(record: dict) -> dict:
