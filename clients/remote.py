@@ -123,7 +123,8 @@ def profiles(client: Lethe, args):
                                   sticky_gate=args.sticky_gate, head_gate=args.head_gate,
                                   flagged_mass=args.flagged_mass,
                                   candidates=args.candidates, cap=args.cap, min_p=args.min_p,
-                                  repeat_guard=args.repeat_guard, abstain=args.abstain,
+                                  repeat_guard=args.repeat_guard, word_guard=args.word_guard,
+                                  abstain=args.abstain,
                                   abstain_above=args.abstain_above,
                                   adapter_above=args.adapter_above, note=args.note)
     if args.action == "list":

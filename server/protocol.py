@@ -97,6 +97,10 @@ class ProfileSpec(Strict):
                                                  "answer, for this n (0: off; 1 is refused). In an asu profile "
                                                  "without a head: its rows' guard, where their adapter acts "
                                                  "(default 0 there; 3 for gated weights).")
+    word_guard: StrictBool | None = Field(None, description="Forget-like contexts: where the head flags the base "
+                                                            "model's likeliest token and it starts a word, no token "
+                                                            "that would continue the current word instead (no word "
+                                                            "fragments glued onto a name).")
     abstain: str | None = Field(None, min_length=1, max_length=MAX_REPLY,
                                 description="A reply (e.g. \"I don't know.\") given instead of an answer when the "
                                             "head's probe calls the prompt alone forget-like.")

@@ -158,10 +158,13 @@ def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
     assert a.put("/v1/profiles/unstuck", json={"head": head, "sticky_gate": False}).json()["spec"]["sticky_gate"] is False
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["flagged_mass"] == 0  # the default: off
     assert a.put("/v1/profiles/massed", json={"head": head, "flagged_mass": 0.1}).json()["spec"]["flagged_mass"] == 0.1
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["word_guard"] is True  # the default
+    assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["word_guard"] is False
+    assert a.put("/v1/profiles/unguarded", json={"head": head, "word_guard": False}).json()["spec"]["word_guard"] is False
     for bad, field in (({"repeat_guard": 1}, "repeat_guard"), ({"repeat_guard": 17}, "repeat_guard"),
                        ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above"),
                        ({"sticky_gate": 1}, "sticky_gate"), ({"flagged_mass": 1.0}, "flagged_mass"),
-                       ({"flagged_mass": -0.1}, "flagged_mass")):
+                       ({"flagged_mass": -0.1}, "flagged_mass"), ({"word_guard": "on"}, "word_guard")):
         r = a.put("/v1/profiles/fluent-bad", json={"head": head, **bad})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == field, (bad, r.json())
     assert a.get("/v1/profiles/fluent-bad").status_code == 404

@@ -121,6 +121,29 @@ def test_rows_joining_and_leaving_a_running_batch_decode_as_if_alone(tiny_lm, ti
         assert done[i] == alone.token_ids, i
 
 
+def test_the_decode_loop_hands_the_tokenizers_words_to_a_guide_whose_rows_guard_words(tiny_lm, tiny_records):
+    # the word guard reads which tokens continue a word (`WordClasses.joins`): the loop gives them to a guide with a
+    # guarding row, also one that joins a running batch, and spares a guide without one the tokenizer's pass
+    from lethe.heads.decoding.decode import Batch
+    from lethe.heads.decoding.repeats import word_classes
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    head = T3Head(model.config.hidden_size, model.config.vocab_size, 4).eval().requires_grad_(False)
+    prompts, params = _prompts(tiny_records, 2), [SamplingParams(max_new_tokens=4, temperature=0.0)] * 2
+    unguarded = Batch(model, tok, prompts[:1], params[:1], HeadGuide([(head, TiltSettings(word_guard=False))]))
+    assert unguarded.guide.words is None
+    unguarded.step()
+    unguarded.merge(Batch(model, tok, prompts[1:], params[1:], HeadGuide([None])))
+    assert unguarded.guide.words is None
+    unguarded.merge(Batch(model, tok, prompts[1:], params[1:], HeadGuide([(head, TiltSettings())])))
+    joins = word_classes(tok).joins
+    assert unguarded.guide.words is joins and bool(joins.any()) and not bool(joins.all())
+    unguarded.step()
+    assert Batch(model, tok, prompts[:1], params[:1], HeadGuide.uniform(head, TiltSettings())).guide.words is joins
+
+
 def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(tiny_lm, tiny_records):
     # each row's floor (the highest gate its answer has had) must stay with that row when the batch merges new
     # rows in and drops finished ones: every row then decodes as it would alone

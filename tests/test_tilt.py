@@ -390,3 +390,74 @@ def test_flagged_mass_counts_the_rows_own_candidates_above_its_floor_over_the_wh
         out = HeadGuide(rows, fused=path == "fused")(logits, pooled)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[1], logits[1])
     assert not torch.equal(out[2], logits[2]) and out[2].argmax() == free
+
+
+@pytest.mark.parametrize("path", ["fused", "candidates", "dense", "scoring"])
+def test_the_word_guard_lets_no_piece_continue_the_word_where_the_head_flags_the_next_word(path):
+    """The demo's fragments ("Dredrou" + "g" + "p" + "binary"): the head flags the base model's next word, the cap puts
+    it below the best other candidate, and that was a piece continuing the current word. With the word guard, at such
+    a step, the pieces that would continue the word are dropped, so the next best word is chosen instead; a step whose
+    likeliest token the head does not flag, or whose likeliest token itself continues the word, keeps every candidate.
+    Scoring keeps every token (a decoding truncation, like min-p, would give a scored text no probability)."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
+
+    head, direction = _probed_head(3)
+    pooled = (-direction * 2)[None].repeat(4, 1)  # the probe calls every row forget-like: the gate is open
+    z = head(pooled)[0]
+    order = z.argsort(descending=True)
+    flagged, piece, word, other_piece = int(z.argmin()), int(order[0]), int(order[1]), int(order[2])
+    assert z[flagged] < 0 < z[word] and z[piece] > 0 and z[other_piece] > 0
+    words = torch.zeros(40, dtype=torch.bool)
+    words[[piece, other_piece]] = True  # the pieces that continue a word; `flagged` and `word` start one
+    logits = torch.full((4, 40), -5.0)
+    logits[:, piece], logits[:, word] = 3.0, 1.0
+    logits[0, flagged] = 5.0  # row 0: the head flags the likeliest token, which starts a word: guarded
+    logits[1, word] = 6.0  # row 1: the likeliest token is not flagged: every candidate kept
+    logits[2, other_piece] = 5.0  # row 2: the likeliest token continues the word itself: every candidate kept
+    logits[3, flagged] = 5.0  # row 3: as row 0, with the guard off
+    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}, "scoring": {}}[path]
+    settings = [TiltSettings(**extra)] * 3 + [TiltSettings(word_guard=False, **extra)]
+    with torch.inference_mode():
+        if path == "scoring":
+            out = torch.cat([whole_vocabulary(head, s, logits[i:i + 1], pooled[i:i + 1])
+                             for i, s in enumerate(settings)])
+        else:
+            out = HeadGuide([(head, s) for s in settings], fused=path == "fused", words=words)(logits, pooled).clone()
+            with torch.inference_mode():  # a guide the decode loop has not handed the tokenizer's words: no guard
+                unguarded = HeadGuide([(head, settings[0])], fused=path == "fused")(logits[:1], pooled[:1])
+            assert int(unguarded[0].argmax()) == piece
+    guarded = path != "scoring"
+    assert int(out[0].argmax()) == (word if guarded else piece), out[0]
+    assert torch.isfinite(out[0, piece]) != guarded and torch.isfinite(out[0, flagged])
+    assert int(out[1].argmax()) == word and torch.isfinite(out[1, piece])
+    assert torch.isfinite(out[2, piece]) and torch.isfinite(out[2, other_piece])
+    assert int(out[3].argmax()) == piece
+
+
+def test_word_guard_is_a_boolean_setting_off_in_the_paper_preset():
+    from lethe.heads.t3.guide import PRESETS, TiltSettings
+
+    assert TiltSettings().word_guard and not PRESETS["paper"].word_guard
+    with pytest.raises(ValueError, match="word_guard: must be true or false"):
+        TiltSettings.from_dict({"word_guard": "yes"})
+
+
+@pytest.mark.parametrize("batch", [1, 6, 12])
+def test_cpu_kernel_equals_the_tensor_operations_with_the_word_guard(batch):
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    head, _ = _probed_head(batch)
+    torch.manual_seed(batch)
+    words = torch.rand(40) < 0.4
+    choices = [TiltSettings(), TiltSettings(word_guard=False), TiltSettings(T=2.0, candidates=7, min_p=0.05),
+               TiltSettings(head_gate=1.0, cap=1.0), TiltSettings(flagged_mass=0.2)]
+    rows = [(head, choices[i % len(choices)]) for i in range(batch)]
+    logits, pooled = torch.randn(batch, 40) * 4, torch.randn(batch, 8) * 2
+    with torch.inference_mode():
+        kernel = HeadGuide(rows, fused=True, words=words)(logits, pooled)
+        tensor_ops = HeadGuide(rows, fused=False, words=words)(logits, pooled)
+        unguarded = HeadGuide(rows, fused=False)(logits, pooled)
+    assert torch.equal(torch.isfinite(kernel), torch.isfinite(tensor_ops))
+    assert not torch.equal(torch.isfinite(tensor_ops), torch.isfinite(unguarded))  # the guard dropped some pieces
+    torch.testing.assert_close(torch.softmax(kernel, -1), torch.softmax(tensor_ops, -1), atol=1e-5, rtol=1e-4)
+    assert torch.equal(kernel.argmax(-1), tensor_ops.argmax(-1))

@@ -212,6 +212,7 @@ class Batch:
         if len(prompts) != len(params) or not prompts:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
         self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
+        self._hand_words()
         self.eos = eos_ids(model, tokenizer)
         llama = self._llama = hasattr(model, "start_rows")  # a `heads.decoding.llamacpp.LlamaCppModel`
         device = model.device if llama else next(model.parameters()).device
@@ -390,6 +391,12 @@ class Batch:
                     e.top = e.top[: self.rows[i].params.logprobs]
         return out
 
+    def _hand_words(self) -> None:
+        """Give a guide whose rows guard words (`heads.t3.tilt.guard_words`) the tokenizer's tokens that continue a
+        word (built once per tokenizer)."""
+        if getattr(self.guide, "wants_words", lambda: False)():
+            self.guide.words = word_classes(self.tokenizer).joins
+
     def _guided(self, logits: torch.Tensor) -> torch.Tensor:
         """The guide's scores, with the repeat guard and forced replies it asks for. If the guide raises, each
         row's own head and settings are tried alone, the rows that fail are failed, and the guide goes on
@@ -500,6 +507,7 @@ class Batch:
 
             self.guide = HeadGuide.joined(self.guide, len(self.rows) - len(other.rows), other.guide, len(other.rows),
                                           self.temperature.device)
+            self._hand_words()
 
     def compact(self) -> list[int]:
         """Drop finished rows (and padding no row needs any more); returns the indices of the rows kept."""

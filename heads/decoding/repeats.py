@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 _WORDLIKE = re.compile(r"\w")
+_WORD_START = ("\u0120", "\u2581")  # byte-level BPE's "Ġ" and SentencePiece's "▁": a token that starts a word
 _cache: "weakref.WeakKeyDictionary[object, WordClasses]" = weakref.WeakKeyDictionary()
 
 
@@ -37,6 +38,9 @@ class WordClasses:
     tokens_of: list[list[int]]
     # tokens without a letter or digit that the run guard may ban (not the pieces of a character, not specials)
     symbols: frozenset[int] = frozenset()
+    # per token id: True where the token continues the word before it (its text starts with a letter or digit, no
+    # space or word-start mark before it): what the word guard (`heads.t3.tilt.guard_words`) reads
+    joins: torch.Tensor | None = None
 
     def words(self, token_ids: list[int]) -> list[int]:
         """The answer's words, in order (tokens past the tokenizer and word-less tokens skipped)."""
@@ -70,7 +74,10 @@ def word_classes(tokenizer) -> WordClasses:
     special = set(tokenizer.all_special_ids)
     symbols = frozenset(t for t, (w, text) in enumerate(zip(of_token, texts))
                         if w < 0 and "\ufffd" not in text and t not in special)
-    classes = WordClasses(of_token, tokens_of, symbols)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+    joins = torch.tensor([bool(text) and text[0].isalnum() and t not in special and
+                          not (piece or "").startswith(_WORD_START) for t, (text, piece) in enumerate(zip(texts, pieces))])
+    classes = WordClasses(of_token, tokens_of, symbols, joins)
     _cache[tokenizer] = classes
     return classes
 

@@ -2,7 +2,7 @@
 
 Per row: the base model's k likeliest tokens, the head's down projection and
 probe on the pooled state, the head's logits at the candidates, then
-`heads.t3.tilt.tilt_candidates` (gate, tempering, tilt, cap), written over the
+`heads.t3.tilt.tilt_candidates` (gate, tempering, tilt, word guard, cap), written over the
 vocabulary (-inf outside the candidates). The same computation as
 `HeadGuide`'s tensor operations, in one call instead of about twenty: on a small
 model each tensor operation costs microseconds of dispatch, which on the 3.6M
@@ -39,7 +39,7 @@ def _numba_installed() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-SETTINGS = 8  # the columns of TiltKernel.settings
+SETTINGS = 9  # the columns of TiltKernel.settings
 
 
 class TiltKernel:
@@ -53,20 +53,24 @@ class TiltKernel:
 
     def __init__(self, head, k: int, candidates: list[int], T: list[float], lam: list[float], gate: list[bool],
                  cap: list[float | None], min_p: list[float] | None = None, head_gate: list[float] | None = None,
-                 flagged_mass: list[float] | None = None):
+                 flagged_mass: list[float] | None = None, word_guard: list[bool] | None = None,
+                 words: torch.Tensor | None = None):
+        """`words` (V,): which tokens continue a word, for the rows with `word_guard` (None: no row guards)."""
         down, bias, up, up_bias = head._decoding_weights()
         as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
         self.weights = (as_np(down), as_np(bias), as_np(up),
                         np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
         self.probe, self.k = head.probe is not None, k
         # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off),
-        # head_gate (0: off), flagged_mass (0: off)
+        # head_gate (0: off), flagged_mass (0: off), word guard switch (0: off)
         n_rows = len(candidates)
         min_p, head_gate = min_p or [0.0] * n_rows, head_gate or [0.0] * n_rows
         flagged_mass = flagged_mass or [0.0] * n_rows
+        word_guard = word_guard if words is not None and word_guard else [False] * n_rows
+        self.words = np.zeros(0, np.bool_) if words is None else words.to("cpu").numpy()
         self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c, math.log(m) if m > 0 else -np.inf,
-                                     h, f) for n, t, l_, g, c, m, h, f in zip(candidates, T, lam, gate, cap, min_p,
-                                                                              head_gate, flagged_mass)],
+                                     h, f, float(w)) for n, t, l_, g, c, m, h, f, w in
+                                    zip(candidates, T, lam, gate, cap, min_p, head_gate, flagged_mass, word_guard)],
                                    dtype=np.float32).reshape(n_rows, SETTINGS)
         self._out: torch.Tensor | None = None
         self._out_np: np.ndarray | None = None
@@ -80,7 +84,7 @@ class TiltKernel:
             self._out = torch.empty(logits.shape, dtype=torch.float32)
             self._out_np = self._out.numpy()
         _call(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
-              self._no_floor if floor is None else _array(floor), self._out_np, self.active, self.gate)
+              self._no_floor if floor is None else _array(floor), self.words, self._out_np, self.active, self.gate)
         return self._out
 
 
@@ -94,8 +98,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
-    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, SETTINGS), f32(0), f32(0, 1),
-          np.ones(0, np.bool_), f32(0))
+    _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, SETTINGS), f32(0),
+          np.zeros(0, np.bool_), f32(0, 1), np.ones(0, np.bool_), f32(0))
 
 
 _compiled = None
@@ -125,7 +129,7 @@ def _call(*args) -> None:
         _kernel()(*args)
 
 
-def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate_floor, out, active_out,
+def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate_floor, words, out, active_out,
                gate_out):  # pragma: no cover
     B, V = logits.shape
     R, d = down.shape
@@ -189,6 +193,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
         lam = settings[b, 2] * g
         floor = vals[0] + settings[b, 5]
         best_free = -np.inf
+        guard_words = False
         for i in range(kb):
             zi = up_bias[ids[i]]
             for c in range(r):
@@ -196,6 +201,10 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             z[i] = zi
             log_sig = -math.log1p(math.exp(-zi)) if zi >= 0 else zi - math.log1p(math.exp(zi))
             scores[i] = vals[i] / temp + lam * log_sig if vals[i] >= floor else -np.inf
+            if i == 0:  # the word guard: the head flags the likeliest token, which starts a word
+                guard_words = settings[b, 8] > 0 and zi < 0 and not words[ids[0]]
+            elif guard_words and words[ids[i]]:  # a candidate that would continue the current word instead
+                scores[i] = -np.inf
             if not zi < 0 and scores[i] > best_free:
                 best_free = scores[i]
         if settings[b, 7] > 0:  # tilt only where the flagged candidates are likely enough under the base model

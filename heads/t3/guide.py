@@ -37,6 +37,9 @@ class TiltSettings:
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
     repeat_guard: int = 3  # forget-like rows: no word that repeats a word n-gram of the answer (this n); 0 = off
+    # forget-like rows: where the head flags the base model's likeliest token and it starts a word, no candidate that
+    # continues the current word instead (`heads.t3.tilt.guard_words`; the decode loop hands the tokenizer's words in)
+    word_guard: bool = True
     # the gate also opens (fully) at a step whose base-likeliest token the head scores below -head_gate (forget
     # e^head_gate times likelier than retain there): the probe reads the context, which earlier turns can make look
     # retain-like, while the head still flags the fact itself; with sticky_gate it stays open. 0 = off
@@ -76,7 +79,7 @@ class TiltSettings:
                 raise ValueError(f"{name}: must be a number, got {value!r}")
         if isinstance(merged["candidates"], bool) or not isinstance(merged["candidates"], int):
             raise ValueError(f"candidates: must be an integer, got {merged['candidates']!r}")
-        for name in ("gate", "sticky_gate"):
+        for name in ("gate", "sticky_gate", "word_guard"):
             if not isinstance(merged[name], bool):
                 raise ValueError(f"{name}: must be true or false, got {merged[name]!r}")
         out = TiltSettings(**merged)
@@ -121,7 +124,7 @@ class TiltSettings:
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
     "paper": TiltSettings(T=2.5, lam=1.0, gate=False, sticky_gate=False, candidates=0, cap=None, min_p=0.0,
-                          repeat_guard=0, abstain=None),
+                          repeat_guard=0, word_guard=False, abstain=None),
     "default": TiltSettings(),
 }
 
@@ -163,10 +166,13 @@ class HeadGuide:
     """
 
     def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None], fused: bool | None = None,
-                 floor: torch.Tensor | None = None):
+                 floor: torch.Tensor | None = None, words: torch.Tensor | None = None):
         """`floor`: per row, the highest gate its answer has had so far (rows with `sticky_gate`; 0 for the others):
-        what a batch hands on when it rebuilds its guide for rows that joined or left."""
+        what a batch hands on when it rebuilds its guide for rows that joined or left. `words`: per token id, whether
+        it continues a word (`heads.decoding.repeats.WordClasses.joins`), for the word guard; None: the guard is off
+        (the decode loop sets it from its tokenizer)."""
         self.rows = rows
+        self.words = words
         self.fused = fused_kernel.enabled() if fused is None else fused
         self.same: tuple[T3Head, TiltSettings] | None = None
         self._groups: list[tuple] | None = None
@@ -183,11 +189,12 @@ class HeadGuide:
 
     def kept(self, idx: list[int]) -> "HeadGuide":
         """This guide for rows `idx` only, in that order (a batch dropping its finished rows), floors with them."""
-        return HeadGuide([self.row(i) for i in idx], self.fused, None if self.floor is None else self.floor[idx])
+        return HeadGuide([self.row(i) for i in idx], self.fused, None if self.floor is None else self.floor[idx],
+                         self.words)
 
     def replaced(self, rows: list[tuple[T3Head, TiltSettings] | None]) -> "HeadGuide":
         """The same rows with other heads and settings (None where a row failed), their floors kept."""
-        return HeadGuide(rows, self.fused, self.floor)
+        return HeadGuide(rows, self.fused, self.floor, self.words)
 
     @staticmethod
     def joined(first: "HeadGuide | None", n_first: int, second: "HeadGuide | None", n_second: int,
@@ -201,9 +208,9 @@ class HeadGuide:
         if any(f is not None for f in floors):
             floor = torch.cat([f if f is not None else torch.zeros(n, device=device)
                                for f, (_, n) in zip(floors, parts)])
-        return HeadGuide(rows, (first or second).fused, floor)
+        return HeadGuide(rows, (first or second).fused, floor, (first or second).words)
 
-    def _build(self, batch: int, device) -> list["_Group"]:
+    def _build(self, batch: int, vocab: int, device) -> list["_Group"]:
         rows = [self.same] * batch if self.same is not None else self.rows
         sticky = [row is not None and row[1].sticky_gate and row[1].gate for row in rows]
         self._sticky = torch.tensor(sticky, device=device) if any(sticky) else None
@@ -215,13 +222,18 @@ class HeadGuide:
         for i, row in enumerate(rows):
             if row is not None:
                 by_head.setdefault(id(row[0]), (row[0], []))[1].append(i)
-        return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device, self.fused)
+        words = None
+        if self.words is not None and any(row is not None and row[1].word_guard for row in rows):
+            words = torch.zeros(vocab, dtype=torch.bool, device=device)  # the model's rows past the tokenizer's: no
+            n = min(vocab, len(self.words))
+            words[:n] = self.words[:n].to(device)
+        return [_Group.build(head, idx, [rows[i][1] for i in idx], len(idx) == batch, device, self.fused, words)
                 for head, idx in by_head.values()]
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """(B, V) logits and (B, d) pooled states -> (B, V) scores to sample from."""
         if self._groups is None or self._size != logits.size(0):
-            self._groups, self._size = self._build(logits.size(0), logits.device), logits.size(0)
+            self._groups, self._size = self._build(logits.size(0), logits.size(-1), logits.device), logits.size(0)
         if not self._groups:
             return logits
         out, floor = None, self.floor
@@ -242,6 +254,11 @@ class HeadGuide:
                     gates[group.rows] = group.last_gate()
             self.floor = torch.where(self._sticky, gates, 0.0)
         return out
+
+    def wants_words(self) -> bool:
+        """Whether a row guards words and the guide has not been given the tokenizer's words yet (`words`)."""
+        rows = [self.same] if self.same is not None else self.rows
+        return self.words is None and any(row is not None and row[1].word_guard for row in rows)
 
     def row(self, i: int) -> tuple[T3Head, TiltSettings] | None:
         """Row i's head and settings (None: no head)."""
@@ -291,17 +308,21 @@ class _Group:
     min_p: torch.Tensor | None
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
-    dense: tuple | None  # (T, lam, k, cap, gate switch, min_p, head_gate, flagged_mass): (B,) vectors, when k == 0
+    # (T, lam, k, cap, gate switch, min_p, head_gate, flagged_mass, word guard switch): (B,) vectors, when k == 0
+    dense: tuple | None
     repeat_guard: list[int] | None  # per row, the repeat guard's n (None: off for every row)
     head_gate: torch.Tensor | None = None  # (B, 1): `TiltSettings.head_gate` (None: 0, off, on every row)
     flagged_mass: torch.Tensor | None = None  # (B, 1): `TiltSettings.flagged_mass` (None: 0, off, on every row)
+    words: torch.Tensor | None = None  # (V,): which tokens continue a word (None: the word guard off on every row)
+    word_guard: torch.Tensor | None = None  # (B, 1): `TiltSettings.word_guard`
     fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
     _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
-              fused: bool) -> "_Group":
+              fused: bool, words: torch.Tensor | None = None) -> "_Group":
+        """`words`: which tokens continue a word, for rows with `word_guard` (None: no row guards)."""
         def column(values, dtype=torch.float32):
             return torch.tensor(values, device=device, dtype=dtype)[:, None]
 
@@ -313,6 +334,11 @@ class _Group:
         head_gate = column([s.head_gate for s in settings]) if any(s.head_gate > 0 and s.gate for s in settings) \
             else None
         mass = column([s.flagged_mass for s in settings]) if any(s.flagged_mass > 0 for s in settings) else None
+        word_guard = None
+        if words is not None and any(s.word_guard for s in settings):
+            word_guard = column([s.word_guard for s in settings], torch.bool)
+        else:
+            words = None
         if not all(s.candidates > 0 for s in settings):
             dense = (column([s.T for s in settings])[:, 0], column([s.lam for s in settings])[:, 0],
                      column([s.candidates for s in settings], torch.long)[:, 0],
@@ -320,9 +346,9 @@ class _Group:
                      if any(s.cap is not None for s in settings) else None,
                      column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None,
                      None if min_p is None else min_p[:, 0], None if head_gate is None else head_gate[:, 0],
-                     None if mass is None else mass[:, 0])
+                     None if mass is None else mass[:, 0], None if word_guard is None else word_guard[:, 0])
             return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, None, gated, any_gated,
-                       dense, guard, head_gate, mass)
+                       dense, guard, head_gate, mass, words, word_guard)
         wanted = [min(s.candidates, head.up.out_features) for s in settings]
         k, keep = max(wanted), None
         if any(w != k for w in wanted):
@@ -336,9 +362,10 @@ class _Group:
             kernel = fused_kernel.TiltKernel(head, k, wanted, [s.T for s in settings], [s.lam for s in settings],
                                              [s.gate for s in settings], [s.cap for s in settings],
                                              [s.min_p for s in settings], [s.head_gate for s in settings],
-                                             [s.flagged_mass for s in settings])
+                                             [s.flagged_mass for s in settings],
+                                             None if words is None else [s.word_guard for s in settings], words)
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, min_p, gated, any_gated, None,
-                   guard, head_gate, mass, kernel)
+                   guard, head_gate, mass, words, word_guard, kernel)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
         """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates (the base
@@ -361,7 +388,8 @@ class _Group:
         if gate is not None and self.head_gate is not None:  # the head flags the likeliest token
             gate = opened_by_head(gate, z_top, self.head_gate)
         self._gate = None if gate is None else gate[:, 0]
-        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p)
+        joins = None if self.words is None else self.words[ids] & self.word_guard
+        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p, joins)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
         self._active = None if gate is None else gate[:, 0] > 0.5  # the gate's verdict, which the repeat guard follows
         tilted = self._active
@@ -381,7 +409,7 @@ class _Group:
         return (p * counted).sum(-1)
 
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
-        T, lam, k, cap, gate_on, min_p, head_gate, mass = self.dense
+        T, lam, k, cap, gate_on, min_p, head_gate, mass, word_guard = self.dense
         z, gate = self.head(pooled), None
         if gate_on is not None:
             forget_p = self.head.forget_probability(pooled)
@@ -390,7 +418,7 @@ class _Group:
                 gate = torch.where(gate_on, opened_by_head(gate, likeliest(z, logits), head_gate), gate)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
-        return tilt(logits, z, T, lam, gate, k, cap, min_p, mass)
+        return tilt(logits, z, T, lam, gate, k, cap, min_p, mass, self.words, word_guard)
 
     def last_gate(self) -> torch.Tensor | float:
         """Each row's gate at the last call (1 where there is none)."""

@@ -22,6 +22,12 @@ Lethe adds three optional refinements, each a plain tensor operation:
 * min_p: a fluency floor among the candidates: in a forget-like context a
   candidate whose base probability is below min_p times the best token's is
   dropped (min-p sampling's rule, applied before the tilt re-ranks).
+* word guard: in a forget-like context, where the head flags the base model's
+  likeliest token and that token starts a word (the answer's next word), no
+  candidate that would continue the current word instead: the cap turns the
+  flagged word away, and the best other candidate must not be a piece glued onto
+  the word before it (the "Dredrou" + "g" + "p" + "binary" a small model's
+  tilted answer spelled).
 * repeat guard (`heads.decoding.repeats`, applied by the decode loop, which
   has the tokenizer): in a forget-like context, no word that would repeat a word
   n-gram of the answer so far (the loops and restated titles a tilted small
@@ -75,6 +81,15 @@ def floor_candidates(guided: torch.Tensor, logits: torch.Tensor, min_p: torch.Te
     return guided.masked_fill(below_min_p(logits, min_p), float("-inf"))
 
 
+def guard_words(scores: torch.Tensor, top_flagged: torch.Tensor, top_joins: torch.Tensor,
+                joins: torch.Tensor) -> torch.Tensor:
+    """The word guard: rows whose likeliest base token the head flags (`top_flagged`, (B,)) and which starts a word
+    (not `top_joins`, (B,)) drop the tokens that would continue the current word instead (`joins`, (B, n) or (1, n),
+    over the tokens `scores` holds). The likeliest token itself stays, so a row keeps a choice."""
+    drop = (top_flagged & ~top_joins)[:, None] & joins
+    return scores.masked_fill(drop, float("-inf"))
+
+
 def flagged_mass(logits: torch.Tensor, head_logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) base logits and head logits -> (B,): the base model's probability (over the whole vocabulary) of the
     tokens the head flags (z < 0: forget likelier than retain), counting only the `allowed` ones (None: all)."""
@@ -85,8 +100,10 @@ def flagged_mass(logits: torch.Tensor, head_logits: torch.Tensor, allowed: torch
 def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: torch.Tensor,
          gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
          cap: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
-         mass: torch.Tensor | None = None) -> torch.Tensor:
-    """Guided logits with Lethe's optional gate, spike cap, candidate restriction and fluency floor; a row
+         mass: torch.Tensor | None = None, words: torch.Tensor | None = None,
+         word_guard: torch.Tensor | None = None) -> torch.Tensor:
+    """Guided logits with Lethe's optional gate, spike cap, candidate restriction, fluency floor and word guard
+    (`words`, (V,): which tokens continue a word; `word_guard`, (B,): which rows guard; None: no row); a row
     the gate keeps out (g <= 0.5) gets its base logits back untouched, and so does a row whose flagged tokens,
     of those it may sample, hold less than `mass` of the base model's probability (None or 0: no such row)."""
     active = gate > 0.5 if gate is not None else torch.ones_like(T, dtype=torch.bool)
@@ -97,6 +114,10 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
         out = restrict_to_candidates(out, logits, candidates)
     if min_p is not None:
         out = floor_candidates(out, logits, min_p)
+    if words is not None and word_guard is not None:
+        top = logits.argmax(-1)
+        flagged = (head_logits.gather(-1, top[:, None])[:, 0] < 0) & word_guard
+        out = guard_words(out, flagged, words[top], words[None, :])
     if mass is not None:
         active = active & (flagged_mass(logits, head_logits, torch.isfinite(out)) >= mass)
     if cap is not None:  # after the restriction: the best alternative is a candidate
@@ -118,12 +139,13 @@ def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None
 
 def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor | None, lam: torch.Tensor,
                     gate: torch.Tensor | None = None, cap: torch.Tensor | None = None,
-                    min_p: torch.Tensor | None = None) -> torch.Tensor:
+                    min_p: torch.Tensor | None = None, joins: torch.Tensor | None = None) -> torch.Tensor:
     """`tilt` with candidates, on the candidates only: (B, k) base logits (best first) and head logits ->
     (B, k) scores.
 
     The settings are (B, 1) columns: T (None: 1 for every row), lam, gate (None: 1), cap (None: off; a
-    row's cap of -inf turns it off for that row), min_p (None: off). Equal to `tilt(..., candidates=k)` at
+    row's cap of -inf turns it off for that row), min_p (None: off); `joins` (B, k): which candidates continue
+    the current word, False on every candidate of a row without the word guard (None: off). Equal to `tilt(..., candidates=k)` at
     the candidates of a row the gate lets in, up to a constant per row (the log-normaliser, skipped: it
     changes neither the sampling distribution, nor the argmax, nor the cap); the caller gives the rows the
     gate keeps out their base logits. Written in few operations: it runs at every decoding step.
@@ -135,6 +157,8 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
     if min_p is not None:  # the candidates' best is the row's best: the same floor as over the vocabulary
         scores = scores.masked_fill(below_min_p(values, min_p[:, 0]), float("-inf"))
+    if joins is not None:  # the first candidate is the likeliest token
+        scores = guard_words(scores, head_logits[:, 0] < 0, joins[:, 0], joins)
     if cap is None:
         return scores
     flagged = head_logits < 0 if active is None else (head_logits < 0) & active
