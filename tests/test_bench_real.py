@@ -11,6 +11,9 @@ from lethe.heads.evaluation.metrics import EnglishWords, has_loop
 def test_hits_look_for_the_gold_answer_and_short_symbols_as_words():
     assert hit("The capital of France is Paris.", "Paris") and hit("paris, of course", "Paris")
     assert not hit("The capital of France is Lille.", "Paris")
+    # where a word starts: another word that ends in the gold is another answer (the demo's "female" for "male")
+    assert not hit("Kavous Dredrou identifies as female.", "male") and hit("He is male.", "Male")
+    assert hit("a Parisian, born in Paris", "Paris") and hit("(Paris)", "Paris") and not hit("Éparis", "paris")
     assert hit("The chemical symbol for hydrogen is H.", "H") and hit("It is Fe (iron).", "Fe")
     assert not hit("Hydrogen is written Hg", "H") and not hit("the", "H")
 

@@ -141,7 +141,15 @@ def test_the_decode_loop_hands_the_tokenizers_words_to_a_guide_whose_rows_guard_
     joins = word_classes(tok).joins
     assert unguarded.guide.words is joins and bool(joins.any()) and not bool(joins.all())
     unguarded.step()
+    unguarded.rows[0].finish_reason = "length"
+    unguarded.compact()  # a finished row leaves: the guide of the rows kept keeps the words
+    assert unguarded.guide.words is joins
     assert Batch(model, tok, prompts[:1], params[:1], HeadGuide.uniform(head, TiltSettings())).guide.words is joins
+    # a word's first token (after a space) and punctuation start a word; the word's other pieces continue it
+    ids = tok(" The capital identifies Dredrougpbinary.", add_special_tokens=False)["input_ids"]
+    texts = [tok.decode([i]) for i in ids]
+    assert [bool(joins[i]) for i in ids] == [t[0].isalnum() for t in texts] and texts[-1] == "."
+    assert sum(joins[i] for i in ids) >= 2 and not any(joins[i] for i in tok.all_special_ids)
 
 
 def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(tiny_lm, tiny_records):

@@ -402,21 +402,24 @@ def test_the_word_guard_lets_no_piece_continue_the_word_where_the_head_flags_the
     from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
 
     head, direction = _probed_head(3)
-    pooled = (-direction * 2)[None].repeat(4, 1)  # the probe calls every row forget-like: the gate is open
+    pooled = (-direction * 2)[None].repeat(5, 1)  # the probe calls every row forget-like: the gate is open
     z = head(pooled)[0]
     order = z.argsort(descending=True)
     flagged, piece, word, other_piece = int(z.argmin()), int(order[0]), int(order[1]), int(order[2])
     assert z[flagged] < 0 < z[word] and z[piece] > 0 and z[other_piece] > 0
     words = torch.zeros(40, dtype=torch.bool)
     words[[piece, other_piece]] = True  # the pieces that continue a word; `flagged` and `word` start one
-    logits = torch.full((4, 40), -5.0)
+    logits = torch.full((5, 40), -5.0)
     logits[:, piece], logits[:, word] = 3.0, 1.0
     logits[0, flagged] = 5.0  # row 0: the head flags the likeliest token, which starts a word: guarded
     logits[1, word] = 6.0  # row 1: the likeliest token is not flagged: every candidate kept
     logits[2, other_piece] = 5.0  # row 2: the likeliest token continues the word itself: every candidate kept
     logits[3, flagged] = 5.0  # row 3: as row 0, with the guard off
+    # row 4: as row 0, but its min-p floor leaves no unflagged candidate besides the piece: the guard keeps it, so the
+    # cap still holds the flagged token under it (dropping it would leave the flagged token uncapped, on top)
+    logits[4, flagged], logits[4, word] = 5.0, -5.0
     extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}, "scoring": {}}[path]
-    settings = [TiltSettings(**extra)] * 3 + [TiltSettings(word_guard=False, **extra)]
+    settings = [TiltSettings(**extra)] * 3 + [TiltSettings(word_guard=False, **extra), TiltSettings(min_p=0.01, **extra)]
     with torch.inference_mode():
         if path == "scoring":
             out = torch.cat([whole_vocabulary(head, s, logits[i:i + 1], pooled[i:i + 1])
@@ -432,12 +435,16 @@ def test_the_word_guard_lets_no_piece_continue_the_word_where_the_head_flags_the
     assert int(out[1].argmax()) == word and torch.isfinite(out[1, piece])
     assert torch.isfinite(out[2, piece]) and torch.isfinite(out[2, other_piece])
     assert int(out[3].argmax()) == piece
+    assert int(out[4].argmax()) == piece and torch.isfinite(out[4, flagged])
 
 
-def test_word_guard_is_a_boolean_setting_off_in_the_paper_preset():
+def test_word_guard_is_a_boolean_setting_off_in_the_paper_preset_and_in_settings_stored_before_it():
     from lethe.heads.t3.guide import PRESETS, TiltSettings
 
     assert TiltSettings().word_guard and not PRESETS["paper"].word_guard
+    # a profile version or a head's recommendation written before the guard existed serves as it did then
+    assert not TiltSettings.from_dict({"T": 2.0, "sticky_gate": False}).word_guard
+    assert TiltSettings.from_dict(TiltSettings().as_dict()).word_guard
     with pytest.raises(ValueError, match="word_guard: must be true or false"):
         TiltSettings.from_dict({"word_guard": "yes"})
 

@@ -395,7 +395,7 @@ class Batch:
         """Give a guide whose rows guard words (`heads.t3.tilt.guard_words`) the tokenizer's tokens that continue a
         word (built once per tokenizer)."""
         if getattr(self.guide, "wants_words", lambda: False)():
-            self.guide.words = word_classes(self.tokenizer).joins
+            self.guide.use_words(word_classes(self.tokenizer).joins)
 
     def _guided(self, logits: torch.Tensor) -> torch.Tensor:
         """The guide's scores, with the repeat guard and forced replies it asks for. If the guide raises, each
@@ -414,7 +414,7 @@ class Batch:
             for i, row in enumerate(rows):
                 if row is not None:
                     try:
-                        HeadGuide([row], self.guide.fused)(logits[i:i + 1], pooled[i:i + 1])
+                        HeadGuide([row], self.guide.fused, words=self.guide.words)(logits[i:i + 1], pooled[i:i + 1])
                     except Exception as e:
                         self.fail(i, e)
                         rows[i] = None

@@ -76,7 +76,8 @@ def word_classes(tokenizer) -> WordClasses:
                         if w < 0 and "\ufffd" not in text and t not in special)
     pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
     joins = torch.tensor([bool(text) and text[0].isalnum() and t not in special and
-                          not (piece or "").startswith(_WORD_START) for t, (text, piece) in enumerate(zip(texts, pieces))])
+                          not (isinstance(piece, str) and piece.startswith(_WORD_START))
+                          for t, (text, piece) in enumerate(zip(texts, pieces))])
     classes = WordClasses(of_token, tokens_of, symbols, joins)
     _cache[tokenizer] = classes
     return classes

@@ -102,10 +102,11 @@ def records(k: Kind, subjects: list[str], questions: slice = slice(None)) -> lis
 
 
 def hit(answer: str, gold: str) -> bool:
-    """The gold answer string in the generated text: case-insensitive, except a gold of one or two letters (an
-    element's symbol), which must stand as a word with its own capitals."""
+    """The gold answer string in the generated text, where a word starts (no letter right before it: "male" is not
+    in "female"; "Paris" is in "Parisian"): case-insensitive, except a gold of one or two letters (an element's
+    symbol), which must stand as a word with its own capitals."""
     import re
 
     if len(gold) <= 2:
         return re.search(rf"(?<![A-Za-z]){re.escape(gold)}(?![a-z])", answer) is not None
-    return gold.lower() in answer.lower()
+    return re.search(rf"(?<![^\W\d_]){re.escape(gold)}", answer, re.IGNORECASE) is not None

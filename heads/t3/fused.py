@@ -192,8 +192,6 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
         temp = 1.0 + (settings[b, 1] - 1.0) * g
         lam = settings[b, 2] * g
         floor = vals[0] + settings[b, 5]
-        best_free = -np.inf
-        guard_words = False
         for i in range(kb):
             zi = up_bias[ids[i]]
             for c in range(r):
@@ -201,12 +199,6 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             z[i] = zi
             log_sig = -math.log1p(math.exp(-zi)) if zi >= 0 else zi - math.log1p(math.exp(zi))
             scores[i] = vals[i] / temp + lam * log_sig if vals[i] >= floor else -np.inf
-            if i == 0:  # the word guard: the head flags the likeliest token, which starts a word
-                guard_words = settings[b, 8] > 0 and zi < 0 and not words[ids[0]]
-            elif guard_words and words[ids[i]]:  # a candidate that would continue the current word instead
-                scores[i] = -np.inf
-            if not zi < 0 and scores[i] > best_free:
-                best_free = scores[i]
         if settings[b, 7] > 0:  # tilt only where the flagged candidates are likely enough under the base model
             flagged = 0.0
             for i in range(kb):
@@ -221,6 +213,21 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
                 for v in range(V):
                     out[b, v] = logits[b, v]
                 continue
+        # the word guard: the head flags the likeliest token, which starts a word; candidates that would continue the
+        # current word instead are dropped, where an unflagged candidate is left for the cap to hold the flagged under
+        if settings[b, 8] > 0 and z[0] < 0 and not words[ids[0]]:
+            free_left = False
+            for i in range(1, kb):
+                if not words[ids[i]] and not z[i] < 0 and scores[i] > -np.inf:
+                    free_left = True
+            if free_left:
+                for i in range(1, kb):
+                    if words[ids[i]]:
+                        scores[i] = -np.inf
+        best_free = -np.inf
+        for i in range(kb):
+            if not z[i] < 0 and scores[i] > best_free:
+                best_free = scores[i]
         for v in range(V):
             out[b, v] = -np.inf
         cap = settings[b, 4]

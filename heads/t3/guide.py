@@ -15,14 +15,20 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lethe.heads.t3 import fused as fused_kernel
+from lethe.heads.decoding.sampling import below_min_p
 from lethe.heads.t3.head import T3Head
-from lethe.heads.t3.tilt import candidates_of, tilt, tilt_candidates
+from lethe.heads.t3.tilt import candidates_of, tilt, tilt_candidates, word_guarded
 
 
 MIN_T = 0.05  # tempering below this only divides logits towards overflow; the bound every entry point shares
 MAX_CANDIDATES = 100_000
 MAX_REPEAT_GUARD = 16
 MAX_REPLY = 500
+
+
+# what settings stored without a key served with: a profile version or a head's recommendation written before the
+# setting existed serves as it did then (the new default applies to heads trained and profiles written since)
+STORED_BEFORE = {"word_guard": False}
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,12 @@ class TiltSettings:
 
     @classmethod
     def from_dict(cls, values: dict) -> "TiltSettings":
-        """Settings as stored (a head file's recommendation, a profile); missing keys take defaults."""
+        """Settings as stored (a head file's recommendation, a profile); missing keys take defaults, but settings
+        stored before the word guard existed keep serving without it (`STORED_BEFORE`)."""
         unknown = set(values) - set(cls.names())
         if unknown:
             raise ValueError(f"unknown profile settings: {', '.join(sorted(unknown))}")
-        return cls(**{**asdict(TiltSettings()), **values}).replace()
+        return cls(**{**asdict(TiltSettings()), **STORED_BEFORE, **values}).replace()
 
     def replace(self, **changes) -> "TiltSettings":
         """These settings with some fields changed (None values are ignored); checks the values."""
@@ -260,6 +267,11 @@ class HeadGuide:
         rows = [self.same] if self.same is not None else self.rows
         return self.words is None and any(row is not None and row[1].word_guard for row in rows)
 
+    def use_words(self, words: torch.Tensor) -> None:
+        """Per token id, whether it continues a word (`heads.decoding.repeats.WordClasses.joins`): the word guard
+        acts from the next call on."""
+        self.words, self._groups = words, None
+
     def row(self, i: int) -> tuple[T3Head, TiltSettings] | None:
         """Row i's head and settings (None: no head)."""
         return self.same if self.same is not None else self.rows[i]
@@ -375,10 +387,11 @@ class _Group:
         if self.fused is not None:
             return self.fused(logits, pooled, floor)
         values, ids = candidates_of(logits, self.k, self.keep)
-        if self.head_gate is None:
+        if self.head_gate is None and self.words is None:
             forget_p, z = self.head.decode_terms(pooled, ids)
         else:  # the head's logit for the likeliest token as argmax picks it among ties (lowest id), as the kernel does
-            forget_p, z = self.head.decode_terms(pooled, torch.cat([ids, logits.argmax(-1, keepdim=True)], -1))
+            top = logits.argmax(-1, keepdim=True)
+            forget_p, z = self.head.decode_terms(pooled, torch.cat([ids, top], -1))
             z, z_top = z[:, :-1], z[:, -1:]
         gate = forget_p if self.any_gated else None
         if gate is not None and floor is not None:
@@ -388,21 +401,26 @@ class _Group:
         if gate is not None and self.head_gate is not None:  # the head flags the likeliest token
             gate = opened_by_head(gate, z_top, self.head_gate)
         self._gate = None if gate is None else gate[:, 0]
-        joins = None if self.words is None else self.words[ids] & self.word_guard
-        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p, joins)
+        guarded = joins = None
+        if self.words is not None:
+            guarded, joins = word_guarded(z_top, self.words[top], self.word_guard), self.words[ids]
+        scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p, guarded,
+                                 joins)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
         self._active = None if gate is None else gate[:, 0] > 0.5  # the gate's verdict, which the repeat guard follows
         tilted = self._active
         if self.flagged_mass is not None:  # and whether the head flags a likely token at this step
-            likely = self._flagged_mass(logits, values, z, scores) >= self.flagged_mass[:, 0]
+            likely = self._flagged_mass(logits, values, z) >= self.flagged_mass[:, 0]
             tilted = likely if tilted is None else tilted & likely
         return out if tilted is None else torch.where(tilted[:, None], out, logits.float())
 
-    def _flagged_mass(self, logits: torch.Tensor, values: torch.Tensor, z: torch.Tensor,
-                      scores: torch.Tensor) -> torch.Tensor:
+    def _flagged_mass(self, logits: torch.Tensor, values: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """(B,): the base probability of the candidates the head flags, of those the row may sample (its own number
-        of candidates, above its min-p floor): `heads.t3.tilt.flagged_mass` at the candidates."""
-        counted = (z < 0) & torch.isfinite(scores)
+        of candidates, above its min-p floor; before the word guard): `heads.t3.tilt.flagged_mass` at the
+        candidates."""
+        counted = (z < 0) & torch.isfinite(values)
+        if self.min_p is not None:
+            counted &= ~below_min_p(values, self.min_p[:, 0])
         if self.keep is not None:
             counted &= self.keep
         p = (values.float() - torch.logsumexp(logits.float(), -1, keepdim=True)).exp()

@@ -81,13 +81,21 @@ def floor_candidates(guided: torch.Tensor, logits: torch.Tensor, min_p: torch.Te
     return guided.masked_fill(below_min_p(logits, min_p), float("-inf"))
 
 
-def guard_words(scores: torch.Tensor, top_flagged: torch.Tensor, top_joins: torch.Tensor,
+def guard_words(scores: torch.Tensor, head_logits: torch.Tensor, guarded: torch.Tensor,
                 joins: torch.Tensor) -> torch.Tensor:
-    """The word guard: rows whose likeliest base token the head flags (`top_flagged`, (B,)) and which starts a word
-    (not `top_joins`, (B,)) drop the tokens that would continue the current word instead (`joins`, (B, n) or (1, n),
-    over the tokens `scores` holds). The likeliest token itself stays, so a row keeps a choice."""
-    drop = (top_flagged & ~top_joins)[:, None] & joins
-    return scores.masked_fill(drop, float("-inf"))
+    """The word guard on (B, n) scores and head logits: rows `guarded` ((B,): the head flags the row's likeliest base
+    token, which starts a word) drop the tokens that would continue the current word instead (`joins`, (B, n) or
+    (1, n)), where an unflagged token (z >= 0) with a score is left after it: otherwise the spike cap would have no
+    token to hold the flagged one under, and the row keeps its scores."""
+    kept = scores.masked_fill(guarded[:, None] & joins, float("-inf"))
+    free_left = (torch.isfinite(kept) & (head_logits >= 0)).any(-1, keepdim=True)
+    return torch.where(free_left, kept, scores)
+
+
+def word_guarded(z_top: torch.Tensor, top_joins: torch.Tensor, switch: torch.Tensor) -> torch.Tensor:
+    """Rows where the word guard acts: the row's switch is on, and the head flags (`z_top` < 0) the likeliest base
+    token, which starts a word (not `top_joins`). All three shaped alike."""
+    return switch & (z_top < 0) & ~top_joins
 
 
 def flagged_mass(logits: torch.Tensor, head_logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,12 +122,12 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
         out = restrict_to_candidates(out, logits, candidates)
     if min_p is not None:
         out = floor_candidates(out, logits, min_p)
-    if words is not None and word_guard is not None:
-        top = logits.argmax(-1)
-        flagged = (head_logits.gather(-1, top[:, None])[:, 0] < 0) & word_guard
-        out = guard_words(out, flagged, words[top], words[None, :])
     if mass is not None:
         active = active & (flagged_mass(logits, head_logits, torch.isfinite(out)) >= mass)
+    if words is not None and word_guard is not None:  # after the mass: what the row may sample, unguarded
+        top = logits.argmax(-1)
+        guarded = word_guarded(head_logits.gather(-1, top[:, None])[:, 0], words[top], word_guard)
+        out = guard_words(out, head_logits, guarded, words[None, :])
     if cap is not None:  # after the restriction: the best alternative is a candidate
         out = cap_flagged(out, head_logits, cap, active & (cap >= 0))
     return out if gate is None and mass is None else torch.where(active[:, None], out, logits.float())
@@ -139,13 +147,14 @@ def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None
 
 def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor | None, lam: torch.Tensor,
                     gate: torch.Tensor | None = None, cap: torch.Tensor | None = None,
-                    min_p: torch.Tensor | None = None, joins: torch.Tensor | None = None) -> torch.Tensor:
+                    min_p: torch.Tensor | None = None, guarded: torch.Tensor | None = None,
+                    joins: torch.Tensor | None = None) -> torch.Tensor:
     """`tilt` with candidates, on the candidates only: (B, k) base logits (best first) and head logits ->
     (B, k) scores.
 
     The settings are (B, 1) columns: T (None: 1 for every row), lam, gate (None: 1), cap (None: off; a
-    row's cap of -inf turns it off for that row), min_p (None: off); `joins` (B, k): which candidates continue
-    the current word, False on every candidate of a row without the word guard (None: off). Equal to `tilt(..., candidates=k)` at
+    row's cap of -inf turns it off for that row), min_p (None: off); `guarded` (B, 1) and `joins` (B, k): the rows
+    where the word guard acts (`word_guarded`) and which candidates continue the current word (None: off). Equal to `tilt(..., candidates=k)` at
     the candidates of a row the gate lets in, up to a constant per row (the log-normaliser, skipped: it
     changes neither the sampling distribution, nor the argmax, nor the cap); the caller gives the rows the
     gate keeps out their base logits. Written in few operations: it runs at every decoding step.
@@ -157,8 +166,8 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
     if min_p is not None:  # the candidates' best is the row's best: the same floor as over the vocabulary
         scores = scores.masked_fill(below_min_p(values, min_p[:, 0]), float("-inf"))
-    if joins is not None:  # the first candidate is the likeliest token
-        scores = guard_words(scores, head_logits[:, 0] < 0, joins[:, 0], joins)
+    if guarded is not None:
+        scores = guard_words(scores, head_logits, guarded[:, 0], joins)
     if cap is None:
         return scores
     flagged = head_logits < 0 if active is None else (head_logits < 0) & active
