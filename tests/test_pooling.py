@@ -44,6 +44,22 @@ def test_pool_follows_each_rows_window_through_steps_compaction_and_merging():
     check([1, 3, 4], [7, 3, 11])
 
 
+def test_window_sums_kept_step_by_step_stay_exact_over_a_long_answer():
+    # each row's window sum is updated as a state enters and one leaves, and summed afresh every Pool.REFRESH steps:
+    # over 700 steps of large states (rounding builds up fastest there) the pooled states are the exact means
+    torch.manual_seed(1)
+    windows, steps = [0, 4, 16, 1], 700
+    seqs = [torch.randn(3 + steps, 64) * 10 + 100 for _ in windows]
+    pool = Pool([s[:3] for s in seqs], windows)
+    worst = 0.0
+    for t in range(steps):
+        pool.push(torch.stack([s[3 + t] for s in seqs]))
+        if t % 50 == 0 or t == steps - 1 or t in (Pool.REFRESH - 1, Pool.REFRESH):
+            want = torch.stack([s[:4 + t][-w if w else 0:].double().mean(0) for s, w in zip(seqs, windows)])
+            worst = max(worst, float((pool.pooled().double() - want).abs().max() / want.abs().max()))
+    assert worst < 1e-6, worst  # float32's own rounding of a mean of such states
+
+
 def test_window_pooling_of_a_sequence_is_the_mean_of_its_last_tokens():
     h = torch.arange(12.0).reshape(6, 2)
     assert pooled_positions(h, 2)[-1].tolist() == [9.0, 10.0]  # mean of rows 4 and 5

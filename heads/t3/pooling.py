@@ -49,7 +49,11 @@ class Pool:
 
     Keeps the running sum and count of every row, and, when some row has a window, the last states of every
     row in a (B, width, d) buffer that shifts by one position a step (a few hundred kilobytes: nothing beside
-    a forward pass)."""
+    a forward pass) and each row's sum over its window, updated as a state enters it and one leaves (a few
+    operations a step, where summing the buffer again took a tenth of a millisecond; summed afresh every
+    `REFRESH` steps, so rounding cannot build up over a long answer)."""
+
+    REFRESH = 256
 
     def __init__(self, prompt_hidden: list[torch.Tensor], windows: list[int]):
         """`prompt_hidden`: per row, the final hidden states of its prompt (L_i, d)."""
@@ -64,17 +68,30 @@ class Pool:
             for i, (h, w) in enumerate(zip(prompt_hidden, windows)):
                 tail = h[-w:].float() if w else h[:0].float()
                 self.recent[i, width - len(tail):] = tail
+        self._arrange()
 
-    def pooled(self) -> torch.Tensor:
-        """(B, d): each row's pooled state now."""
-        mean = self.sum / self.count
+    def _arrange(self) -> None:
+        """After the rows change: each row's window sum from the buffer, and what a step needs, computed once."""
+        self._pushes = 0
         if self.recent is None:
-            return mean
+            return
         width = self.recent.size(1)
         slots = torch.arange(width, device=self.sum.device)[None, :]
         last = (slots >= width - self.window).float()[:, :, None]  # the row's last W slots (none where W = 0)
-        windowed = (self.recent * last).sum(1) / torch.minimum(self.count, self.window.clamp(min=1))
-        return torch.where(self.window > 0, windowed, mean)
+        self.window_sum = (self.recent * last).sum(1)
+        # the slot whose state leaves each row's window at the next step (rows without a window: any, unused)
+        self._leaving = (width - self.window[:, 0].long()).clamp(max=width - 1)
+        self._rows = torch.arange(len(self.sum), device=self.sum.device)
+        self._span = self.window.clamp(min=1)
+        self._all_windowed = bool((self.window > 0).all())
+        self._full = bool((self.window == width).all())  # every row's window spans the buffer: the oldest slot leaves
+
+    def pooled(self) -> torch.Tensor:
+        """(B, d): each row's pooled state now."""
+        if self.recent is None:
+            return self.sum / self.count
+        windowed = self.window_sum / torch.minimum(self.count, self._span)
+        return windowed if self._all_windowed else torch.where(self.window > 0, windowed, self.sum / self.count)
 
     def push(self, hidden: torch.Tensor) -> None:
         """Every row moves on by one position whose final state is `hidden` (B, d)."""
@@ -82,12 +99,18 @@ class Pool:
         self.sum += hidden
         self.count = self.count + 1
         if self.recent is not None:
+            leaving = self.recent[:, 0] if self._full else self.recent[self._rows, self._leaving]
+            self.window_sum += hidden - leaving
             self.recent = torch.cat([self.recent[:, 1:], hidden[:, None]], 1)
+            self._pushes += 1
+            if self._pushes == self.REFRESH:
+                self._arrange()
 
     def keep(self, idx: torch.Tensor) -> None:
         self.sum, self.count, self.window = self.sum[idx], self.count[idx], self.window[idx]
         if self.recent is not None:
             self.recent = self.recent[idx]
+        self._arrange()
 
     def merge(self, other: "Pool") -> None:
         """Add `other`'s rows after these."""
@@ -99,6 +122,7 @@ class Pool:
         if width:
             self.recent = torch.cat([_left(self.recent, width, rows, self.sum),
                                      _left(other.recent, width, len(other.sum), self.sum)])
+        self._arrange()
 
 
 def _left(recent: torch.Tensor | None, width: int, rows: int, like: torch.Tensor) -> torch.Tensor:
