@@ -18,6 +18,24 @@ def test_repeat_bans_name_the_words_that_would_repeat_an_ngram():
     assert repeat_bans([1, 2], 3) == set() and repeat_bans(answer, 0) == set()
 
 
+def test_the_ngrams_kept_across_steps_name_what_reading_the_whole_answer_names():
+    # a guarded row reads only the tokens its answer gained since the last step (AnswerNgrams); at every step it
+    # must name the words repeat_bans names over the whole answer: word-less tokens (-1) and tokens past the
+    # tokenizer (id 9) skipped, for each n
+    import random
+
+    from lethe.heads.decoding.repeats import AnswerNgrams, WordClasses
+
+    classes = WordClasses([0, 1, 2, 1, -1, 3, 0, -1, 2], [[0, 6], [1, 3], [2, 8], [5]])
+    rng = random.Random(0)
+    for n in (0, 2, 3, 4):
+        for _ in range(30):
+            ngrams, answer = AnswerNgrams(classes, n), []
+            for _ in range(40):
+                answer += rng.choices(range(10), k=rng.choice([1, 1, 2]))  # a step may add more than one token
+                assert ngrams.bans(answer) == repeat_bans(classes.words(answer), n), (n, answer)
+
+
 def test_word_classes_compare_tokens_as_words(tiny_lm):
     tok = tiny_lm.tokenizer
     classes = word_classes(tok)

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from lethe.heads.decoding.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lethe.heads.io import crash_after_tokens, crash_point
-from lethe.heads.decoding.repeats import ban_repeats, word_classes
+from lethe.heads.decoding.repeats import AnswerNgrams, ban_repeats, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 from lethe.heads.t3.guide import whole_vocabulary
 from lethe.heads.t3.pooling import Pool
@@ -193,6 +193,7 @@ class Row:
     repeat_guard: int = 0  # a row without a head (ASU alone): its own repeat guard's n (0: off)
     gate_on: bool | None = None  # a gated adapter's row: whether the gate acted on its next logits (None: no gate)
     gate_latched: bool = False  # its gate was on where the answer starts, so it stays on for the whole answer
+    ngrams: AnswerNgrams | None = None  # the repeat guard's reading of the answer so far, kept across steps
 
     def completion(self) -> Completion:
         asked = self.params.prompt_logprobs is not None
@@ -433,8 +434,11 @@ class Batch:
         if any(ns):
             classes = word_classes(self.tokenizer)
             for i, n in enumerate(ns):
-                if n and self.rows[i].finish_reason is None:
-                    ban_repeats(scores[i], self.rows[i].token_ids, n, classes)
+                row = self.rows[i]
+                if n and row.finish_reason is None:
+                    if row.ngrams is None or row.ngrams.n != n:
+                        row.ngrams = AnswerNgrams(classes, n)
+                    ban_repeats(scores[i], row.token_ids, n, classes, row.ngrams)
         return scores
 
     def _force_replies(self, scores: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

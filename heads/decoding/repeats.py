@@ -91,11 +91,40 @@ def repeat_bans(words: list[int], n: int) -> set[int]:
     return {words[i + n - 1] for i in range(len(words) - n + 1) if words[i:i + n - 1] == tail}
 
 
-def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses) -> None:
+class AnswerNgrams:
+    """One answer's words, and which word followed each of its (n - 1)-grams, kept as the answer grows: a step reads
+    the words `repeat_bans` would name in a few operations, not by reading the whole answer again (a guarded row
+    pays this at every step)."""
+
+    def __init__(self, classes: WordClasses, n: int):
+        self.classes, self.n = classes, n
+        self.read = 0  # the answer's tokens read so far
+        self.words: list[int] = []
+        self.after: dict[tuple[int, ...], set[int]] = {}
+
+    def bans(self, answer: list[int]) -> set[int]:
+        """`repeat_bans(classes.words(answer), n)`, reading only the tokens `answer` (which only grows) gained."""
+        of, size, n, words = self.classes.of_token, len(self.classes.of_token), self.n, self.words
+        for t in answer[self.read:]:
+            w = of[t] if t < size else -1
+            if w >= 0:
+                words.append(w)
+                if n >= 2 and len(words) >= n:
+                    self.after.setdefault(tuple(words[len(words) - n:-1]), set()).add(w)
+        self.read = len(answer)
+        if n < 2 or len(words) < n - 1:
+            return set()
+        return self.after.get(tuple(words[len(words) - n + 1:]), set())
+
+
+def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses,
+                ngrams: AnswerNgrams | None = None) -> None:
     """In place on one row's (V,) scores: -inf for the tokens whose word would repeat a word n-gram of `answer`
     (token ids), and the word-less tokens that would repeat an n-gram of the word-less run ending it, unless no
-    finite score would be left."""
-    banned = [t for w in repeat_bans(classes.words(answer), n) for t in classes.tokens_of[w]]
+    finite score would be left. `ngrams`: the answer's `AnswerNgrams` for this n, kept across steps (None: read
+    the whole answer)."""
+    words = ngrams.bans(answer) if ngrams is not None else repeat_bans(classes.words(answer), n)
+    banned = [t for w in words for t in classes.tokens_of[w]]
     run = classes.symbol_run(answer)
     if len(run) >= n:  # a run of punctuation and spaces that says an n-gram of itself again
         banned += [t for t in repeat_bans(run, n) if t in classes.symbols]
