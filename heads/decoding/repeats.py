@@ -104,6 +104,8 @@ class AnswerNgrams:
 
     def bans(self, answer: list[int]) -> set[int]:
         """`repeat_bans(classes.words(answer), n)`, reading only the tokens `answer` (which only grows) gained."""
+        if len(answer) < self.read:
+            raise ValueError("AnswerNgrams reads an answer that only grows")
         of, size, n, words = self.classes.of_token, len(self.classes.of_token), self.n, self.words
         for t in answer[self.read:]:
             w = of[t] if t < size else -1
@@ -114,7 +116,7 @@ class AnswerNgrams:
         self.read = len(answer)
         if n < 2 or len(words) < n - 1:
             return set()
-        return self.after.get(tuple(words[len(words) - n + 1:]), set())
+        return set(self.after.get(tuple(words[len(words) - n + 1:]), ()))  # a copy: the kept set grows
 
 
 def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses,
