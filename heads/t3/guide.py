@@ -221,6 +221,7 @@ class HeadGuide:
         rows = [self.same] * batch if self.same is not None else self.rows
         sticky = [row is not None and row[1].sticky_gate and row[1].gate for row in rows]
         self._sticky = torch.tensor(sticky, device=device) if any(sticky) else None
+        self._all_sticky = all(sticky)
         if self._sticky is None:
             self.floor = None
         elif self.floor is None or len(self.floor) != batch:
@@ -259,7 +260,9 @@ class HeadGuide:
                 gates = torch.zeros_like(floor)
                 for group in self._groups:
                     gates[group.rows] = group.last_gate()
-            self.floor = torch.where(self._sticky, gates, 0.0)
+            # every row sticky (the default): the gates themselves (a copy: the kernel reuses its buffer)
+            self.floor = gates.clone() if self._all_sticky and torch.is_tensor(gates) else \
+                torch.where(self._sticky, gates, 0.0)
         return out
 
     def wants_words(self) -> bool:

@@ -48,10 +48,10 @@ class Pool:
     """The pooled states of a batch's rows, row i over its own window `windows[i]` (0: the whole context).
 
     Keeps the running sum and count of every row, and, when some row has a window, the last states of every
-    row in a (B, width, d) buffer that shifts by one position a step (a few hundred kilobytes: nothing beside
-    a forward pass) and each row's sum over its window, updated as a state enters it and one leaves (a few
-    operations a step, where summing the buffer again took a tenth of a millisecond; summed afresh every
-    `REFRESH` steps, so rounding cannot build up over a long answer)."""
+    row in a (B, width, d) ring buffer (a few hundred kilobytes: nothing beside a forward pass; a step writes the
+    new states over the oldest, at `_start`) and each row's sum over its window, updated as a state enters it and
+    one leaves (a few operations a step, where summing the buffer again took a tenth of a millisecond; summed afresh
+    every `REFRESH` steps, so rounding cannot build up over a long answer)."""
 
     REFRESH = 256
 
@@ -68,18 +68,27 @@ class Pool:
             for i, (h, w) in enumerate(zip(prompt_hidden, windows)):
                 tail = h[-w:].float() if w else h[:0].float()
                 self.recent[i, width - len(tail):] = tail
+        self._start = 0  # the buffer's oldest slot, where the next step writes
         self._arrange()
+
+    def _ordered(self) -> torch.Tensor | None:
+        """The buffer oldest state first (the ring turned back to slot 0)."""
+        if self.recent is None or self._start == 0:
+            return self.recent
+        return torch.roll(self.recent, -self._start, dims=1)
 
     def _arrange(self) -> None:
         """After the rows change: each row's window sum from the buffer, and what a step needs, computed once."""
         self._pushes = 0
         if self.recent is None:
             return
+        self.recent, self._start = self._ordered(), 0
         width = self.recent.size(1)
         slots = torch.arange(width, device=self.sum.device)[None, :]
         last = (slots >= width - self.window).float()[:, :, None]  # the row's last W slots (none where W = 0)
         self.window_sum = (self.recent * last).sum(1)
-        # the slot whose state leaves each row's window at the next step (rows without a window: any, unused)
+        # the slot (counted from the oldest) whose state leaves each row's window at the next step (rows without a
+        # window: any, unused)
         self._leaving = (width - self.window[:, 0].long()).clamp(max=width - 1)
         self._rows = torch.arange(len(self.sum), device=self.sum.device)
         self._span = self.window.clamp(min=1)
@@ -99,9 +108,12 @@ class Pool:
         self.sum += hidden
         self.count = self.count + 1
         if self.recent is not None:
-            leaving = self.recent[:, 0] if self._full else self.recent[self._rows, self._leaving]
+            start, width = self._start, self.recent.size(1)
+            leaving = self.recent[:, start] if self._full else \
+                self.recent[self._rows, (self._leaving + start) % width]
             self.window_sum += hidden - leaving
-            self.recent = torch.cat([self.recent[:, 1:], hidden[:, None]], 1)
+            self.recent[:, start] = hidden
+            self._start = (start + 1) % width
             self._pushes += 1
             if self._pushes == self.REFRESH:
                 self._arrange()
@@ -109,7 +121,7 @@ class Pool:
     def keep(self, idx: torch.Tensor) -> None:
         self.sum, self.count, self.window = self.sum[idx], self.count[idx], self.window[idx]
         if self.recent is not None:
-            self.recent = self.recent[idx]
+            self.recent = self.recent[idx]  # its slots turn with the rows kept; _arrange orders them
         self._arrange()
 
     def merge(self, other: "Pool") -> None:
@@ -120,8 +132,9 @@ class Pool:
         self.sum, self.count = torch.cat([self.sum, other.sum]), torch.cat([self.count, other.count])
         self.window = torch.cat([self.window, other.window])
         if width:
-            self.recent = torch.cat([_left(self.recent, width, rows, self.sum),
-                                     _left(other.recent, width, len(other.sum), self.sum)])
+            self.recent = torch.cat([_left(self._ordered(), width, rows, self.sum),
+                                     _left(other._ordered(), width, len(other.sum), self.sum)])
+            self._start = 0
         self._arrange()
 
 
