@@ -230,8 +230,8 @@ class HeadGuide:
         for i, row in enumerate(rows):
             if row is not None:
                 by_head.setdefault(id(row[0]), (row[0], []))[1].append(i)
-        words = None
-        if self.words is not None and any(row is not None and row[1].word_guard for row in rows):
+        words = None  # _Group.build drops it for a group without a guarding row
+        if self.words is not None:
             words = torch.zeros(vocab, dtype=torch.bool, device=device)  # the model's rows past the tokenizer's: no
             n = min(vocab, len(self.words))
             words[:n] = self.words[:n].to(device)
