@@ -251,7 +251,13 @@ class JobRunner:
 
     def _dispatched(self, job: dict) -> str:
         """Run a claimed job through `dispatch`; a job whose process died (or could not start) is failed at once,
-        with the reason, unless it ended first."""
+        with the reason, unless it ended first. This replica beats for the job while it waits: the task's process
+        beats only once it has started and loaded its model, which on a busy machine (or a cluster waiting for free
+        CPUs) takes longer than the stale limit; the task dies with this replica (Ray fate-shares a task with its
+        owner), so a job whose replica died still goes stale."""
+        waiting = threading.Event()
+        threading.Thread(target=self._beat, args=(job["id"], waiting, threading.Event()), daemon=True,
+                         name="lethe-job-dispatch-heartbeat").start()
         try:
             return self.dispatch(job)
         except Exception as e:
@@ -261,6 +267,8 @@ class JobRunner:
                             "'running'", (f"the job's worker stopped while the job was running ({reason})", time.time(),
                              job["id"]))])
             return "failed"
+        finally:
+            waiting.set()
 
     def _public(self, message: str) -> str:
         """A job's error as its tenant may see it: no server paths."""

@@ -133,3 +133,46 @@ def test_a_job_running_on_one_replica_is_cancelled_through_another(tiny_model_di
             assert time.time() - t0 < 10, state
             time.sleep(0.1)
         assert state["status"] == "cancelled" and state["error"] == "cancelled while running", state
+
+
+def test_a_dispatched_job_whose_task_is_slow_to_start_is_not_failed_as_stale(tiny_model_dir, tmp_path,
+                                                                              postgres_server_url):
+    """On Ray Serve a job runs as a task that beats only once its process has started and loaded the model; until
+    then the replica that dispatched it beats for it, so another replica's stale check (every stale/2 s) does not
+    fail a job that is merely waiting for its process, and the reason a task died is what its tenant reads."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from lethe.heads.modelio import load_model
+    from lethe.server.app import create_app
+    from lethe.server.pg_local import fresh_database
+    from lethe.server.settings import Settings
+    from live_server import ADMIN_KEY
+
+    database = fresh_database(postgres_server_url)
+    lm = load_model(tiny_model_dir)
+    settings = Settings(model=tiny_model_dir, data_dir=tmp_path, database_url=database, admin_key=ADMIN_KEY,
+                        demo_tenant=False, job_stale_seconds=1.0, allow_anonymous=True)
+    with TestClient(create_app(settings, lm)) as one, TestClient(create_app(settings, lm)) as two:
+        dispatched = threading.Event()
+
+        def slow_task(job):  # a task that never beats: 4x the stale limit to start, then its process dies
+            dispatched.set()
+            time.sleep(4.0)
+            raise RuntimeError("its process died: killed, or out of memory")
+        for client in (one, two):
+            client.app.state.jobs.dispatch = slow_task
+        key = one.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        headers = {"Authorization": f"Bearer {key.json()['api_key']}"}
+        record = '{"question": "q?", "answer": "a."}\n'
+        ids = [one.post("/v1/datasets", content=record.encode(), headers=headers).json()["id"] for _ in range(2)]
+        job = one.post("/v1/heads", json={"forget": ids[0], "retain": ids[1]}, headers=headers).json()["id"]
+        assert dispatched.wait(30)
+        t0 = time.time()
+        while (state := two.get(f"/v1/jobs/{job}", headers=headers).json())["status"] == "running":
+            assert time.time() - t0 < 30, state
+            time.sleep(0.1)
+        assert state["status"] == "failed", state
+        assert state["error"] == ("the job's worker stopped while the job was running (its process died: killed, "
+                                  "or out of memory)"), state
