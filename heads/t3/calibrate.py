@@ -16,7 +16,6 @@ import torch
 
 from lethe.heads.records import spread
 from lethe.heads.t3.head import T3Head
-from lethe.heads.t3.pooling import pooled_positions
 
 MARGIN = 1.0  # nats past the lowest logit seen
 MAX_GATE = 100.0  # TiltSettings' bound
@@ -27,37 +26,49 @@ def asked(records: list[dict], n: int) -> list[dict]:
     return spread(list({r["question"]: r for r in records if isinstance(r.get("question"), str)}.values()), n)
 
 
+class _Reader:
+    """A guide that leaves the logits as they are (greedy decoding then picks the base model's argmax) and keeps, at
+    every step, the head's logit of that token for every row, on the pooled states decoding has there."""
+
+    def __init__(self, head: T3Head):
+        self.head, self.steps = head, []
+
+    def __call__(self, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        # decode_terms: the head's weights on the model's device (a head trained on the CPU serves a GPU model)
+        self.steps.append(self.head.decode_terms(pooled.float(), logits.argmax(-1)[:, None])[1][:, 0].cpu())
+        return logits
+
+    def row(self, i: int):  # every row's head: decoding pools over its window
+        return self.head, None
+
+
 @torch.inference_mode()
 def lowest_chosen_logit(lm, head: T3Head, questions: list[dict], fmt: str, max_new_tokens: int = 32,
-                        on_progress=None) -> float | None:
+                        on_progress=None, batch_size: int = 64) -> float | None:
     """The lowest head logit of a token the base model chose, step by step, in its greedy answers to `questions`
     (the end-of-text token too, where an answer ended with it; the first `max_new_tokens` of a longer one): the logit
-    `head_gate` reads at those steps, on the pooled states decoding has there. None: no step. `on_progress(fraction)`
-    is called before each batch of answers and after each answer read (it may raise to stop)."""
-    from lethe.heads.decoding.decode import forward_last_hidden, generate_chunked, next_logits
+    `head_gate` reads at those steps, read while the answers decode (no second pass of the model). None: no step.
+    `on_progress(fraction)` is called before each batch of `batch_size` answers and after it (it may raise to
+    stop)."""
+    from lethe.heads.decoding.decode import generate
     from lethe.heads.decoding.sampling import SamplingParams
     from lethe.heads.records import ask
 
     prompts = [ask(r["question"], fmt, lm.tokenizer) for r in questions]
-    report = on_progress or (lambda fraction: None)
-    said = generate_chunked(lm.model, lm.tokenizer, prompts, SamplingParams(max_new_tokens=max_new_tokens,
-                                                                             temperature=0.0),
-                            before_chunk=lambda: report(0.0))
-    device, lowest = next(lm.model.parameters()).device, None
-    for i, (prompt, answer) in enumerate(zip(prompts, said)):
-        report((i + 1) / len(prompts))
-        ids = lm.tokenizer(prompt, add_special_tokens=False)["input_ids"] + answer.token_ids
-        steps = len(answer.token_ids) + (answer.finish_reason == "stop")  # the step that chose end-of-text too
-        at = torch.arange(len(ids) - len(answer.token_ids) - 1, len(ids))[:steps]  # positions whose next is chosen
-        if answer.finish_reason not in ("stop", "length") or not len(at):  # a row that failed: nothing to read
-            continue
-        x = torch.tensor([ids], device=device)
-        hidden = forward_last_hidden(lm.model, x, torch.ones_like(x), torch.arange(len(ids), device=device)[None],
-                                     None)[0]
-        chosen = next_logits(lm.model, hidden[at]).argmax(-1)
-        # decode_terms: the head's weights on the model's device (a head trained on the CPU serves a GPU model)
-        z = head.decode_terms(pooled_positions(hidden, head.window)[at].float(), chosen[:, None])[1][:, 0]
-        lowest = float(z.min()) if lowest is None else min(lowest, float(z.min()))
+    report, lowest = on_progress or (lambda fraction: None), None
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    for start in range(0, len(prompts), batch_size):
+        report(start / len(prompts))
+        reader = _Reader(head)
+        said = generate(lm.model, lm.tokenizer, prompts[start:start + batch_size], greedy, reader)
+        read = torch.stack(reader.steps, 1) if reader.steps else None  # (rows, steps): every row at every step
+        for i, answer in enumerate(said):
+            steps = len(answer.token_ids) + (answer.finish_reason == "stop")  # the step that chose end-of-text too
+            if answer.finish_reason not in ("stop", "length") or not steps:  # a row that failed: nothing to read
+                continue
+            low = float(read[i, :steps].min())
+            lowest = low if lowest is None else min(lowest, low)
+        report(min(1.0, (start + batch_size) / len(prompts)))
     return lowest
 
 
