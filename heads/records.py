@@ -253,10 +253,22 @@ def encode_example(tokenizer, ex: Example) -> tuple[list[int], int]:
     Prompt and completion are tokenised apart, so the prompt's ids are exactly what a
     request with that prompt sends. A bare text record is predicted from its first token on.
     """
-    p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"] if ex.prompt else []
-    c = tokenizer(ex.completion, add_special_tokens=False)["input_ids"]
-    if not c or c[-1] != tokenizer.eos_token_id:  # a chat completion ends with the template's end of turn
-        c = c + [tokenizer.eos_token_id]
-    if not p:
-        p, c = c[:1], c[1:]
-    return p + c, len(p)
+    return encode_examples(tokenizer, [ex])[0]
+
+
+def encode_examples(tokenizer, exs: list[Example]) -> list[tuple[list[int], int]]:
+    """`encode_example` of each of `exs`, with two calls of the tokenizer (a fast tokenizer encodes a list at once,
+    several times faster than one call per text)."""
+    if not exs:
+        return []
+    prompts = tokenizer([ex.prompt for ex in exs], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([ex.completion for ex in exs], add_special_tokens=False)["input_ids"]
+    out = []
+    for ex, p, c in zip(exs, prompts, completions):
+        p = p if ex.prompt else []
+        if not c or c[-1] != tokenizer.eos_token_id:  # a chat completion ends with the template's end of turn
+            c = c + [tokenizer.eos_token_id]
+        if not p:
+            p, c = c[:1], c[1:]
+        out.append((p + c, len(p)))
+    return out

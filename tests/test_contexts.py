@@ -1,5 +1,5 @@
 """Heads train on their records after contexts too (`heads.t3.contexts`), and records that begin alike run their
-shared first tokens once in the cache pass (`heads.t3.cache.batches`)."""
+shared first tokens once in the cache pass (`heads.t3.cache.batches`), records with the same prompt in one row."""
 
 import copy
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lethe.heads.demo.corpus import split_by_author
-from lethe.heads.records import Context, ask, examples, qa_example
+from lethe.heads.records import Context, answer_forms, ask, examples, qa_example
 from lethe.heads.t3 import cache as cache_module
 from lethe.heads.t3.cache import build_cache, context_shifts
 from lethe.heads.t3.contexts import RETAIN_PER_FORGET, SMALL_TALK, context_counts, context_examples, draw_contexts
@@ -72,7 +72,7 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
     tokens = []
     forward = cache_module.forward_last_hidden
     monkeypatch.setattr(cache_module, "forward_last_hidden",
-                        lambda model, ids, *a: tokens.append(int(a[0][:, -ids.size(1):].sum())) or forward(model, ids, *a))
+                        lambda model, ids, *a: tokens.append(ids.numel()) or forward(model, ids, *a))
     for window in (0, 4):
         tokens.clear()
         alone = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window)
@@ -83,6 +83,30 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
         torch.testing.assert_close(shared.pooled.float(), alone.pooled.float(), atol=2e-3, rtol=0)
         assert torch.equal(shared.target, alone.target) and torch.equal(shared.record, alone.record)
         assert torch.equal(shared.label, alone.label)
+
+
+def test_records_with_the_same_prompt_run_it_once_in_one_row_with_the_same_states(tiny_lm, split, monkeypatch):
+    """A record and its fact alone as the answer ask the same question: one row holds the prompt once and both
+    answers, each answer seeing the prompt and itself only, and each gets the states it gets alone."""
+    forget, retain = split
+    named = [r | {"fact": r["answer"].rstrip(".").split()[-1]} for r in forget + retain[:40]]
+    sides = [examples(part + answer_forms(part)) for part in (named[:len(forget)], named[len(forget):])]
+    tokens = []
+    forward = cache_module.forward_last_hidden
+    monkeypatch.setattr(cache_module, "forward_last_hidden",
+                        lambda model, ids, *a: tokens.append(ids.numel()) or forward(model, ids, *a))
+    for window, groups in ((0, None), (4, None), (16, ["plain"] * sum(map(len, sides)))):
+        tokens.clear()
+        packed = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window, groups=groups)
+        packed_tokens = sum(tokens)
+        tokens.clear()
+        with monkeypatch.context() as m:
+            m.setattr(cache_module, "packs", lambda model: False)
+            alone = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window, groups=groups)
+        assert packed_tokens < 0.85 * sum(tokens)  # each form's question ran once, with its record's
+        torch.testing.assert_close(packed.pooled.float(), alone.pooled.float(), atol=2e-3, rtol=0)
+        assert torch.equal(packed.target, alone.target) and torch.equal(packed.record, alone.record)
+        assert torch.equal(packed.label, alone.label)
 
 
 def test_a_context_shift_is_what_a_context_did_to_the_same_answers_pooled_states(tiny_lm, split):

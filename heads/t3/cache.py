@@ -7,7 +7,8 @@ the true next token and the label (retain = 1, forget = 0). Pooled states are
 stored in float16; when they would exceed `memory_budget` bytes they go to a
 memory-mapped file on disk instead. Training then never runs the base model again.
 Records that begin alike (the chat template's system prompt, the same context
-before the question) run their shared first tokens once.
+before the question) run their shared first tokens once, and records with the
+same prompt (a record and its fact alone as the answer) run it once in one row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from lethe.heads.decoding.decode import forward_last_hidden
-from lethe.heads.records import Example, encode_example
+from lethe.heads.records import Example, encode_examples
 from lethe.heads.t3.pooling import pooled_positions
 
 
@@ -59,16 +60,35 @@ def shared_prefix(sequences: list[list[int]], limit: int) -> int:
 
 
 MIN_SAVED = 64  # tokens a group must save to run its prefix apart: below that, one more forward call costs more
+MAX_PACKED = 4  # examples with the same prompt that share one row (the prompt once, then each one's answer)
 
 
-def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_size: int):
-    """(record indices, shared prefix length) per batch. Records of one group (the same context before their
-    question, or the same chat template's system prompt) share their first tokens, which then run once for the
-    whole group where that saves at least MIN_SAVED tokens; records of similar lengths share a batch, so little is
-    padding."""
+def units(idx: list[int], encoded: list[tuple[list[int], int]], pack: bool = True) -> list[list[int]]:
+    """`idx` as units of up to MAX_PACKED examples with the same prompt (a record and its fact alone as the answer
+    ask the same question), which run their prompt once; one example per unit where `pack` is off."""
+    if not pack:
+        return [[i] for i in idx]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in idx:
+        ids, n_prompt = encoded[i]
+        by_prompt.setdefault(tuple(ids[:n_prompt]), []).append(i)
+    return [same[k:k + MAX_PACKED] for same in by_prompt.values() for k in range(0, len(same), MAX_PACKED)]
+
+
+def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_size: int, pack: bool = True):
+    """(units, shared prefix length) per batch: up to `batch_size` units (`units`: examples with the same prompt,
+    one row). Records of one group (the same context before their question, or the same chat template's system
+    prompt) share their first tokens, which then run once for the whole group where that saves at least MIN_SAVED
+    tokens; units of similar lengths share a batch, so little is padding."""
     members: dict = {}
     for i, g in enumerate(groups if groups is not None else [None] * len(encoded)):
         members.setdefault(g, []).append(i)
+
+    def planned(idx: list[int], shared: int) -> list[tuple[list[list[int]], int]]:
+        rows = sorted(units(idx, encoded, pack), key=lambda u: encoded[u[0]][1] + sum(
+            len(encoded[i][0]) - encoded[i][1] for i in u))
+        return [(rows[b:b + batch_size], shared) for b in range(0, len(rows), batch_size)]
+
     plan, rest = [], members.pop(None, [])
     for idx in members.values():
         # at least one prompt token stays each record's own
@@ -76,32 +96,64 @@ def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_siz
         if shared * (len(idx) - 1) < MIN_SAVED:
             rest += idx
             continue
-        idx.sort(key=lambda i: len(encoded[i][0]))
-        plan += [(idx[b:b + batch_size], shared) for b in range(0, len(idx), batch_size)]
-    rest.sort(key=lambda i: len(encoded[i][0]))
-    return plan + [(rest[b:b + batch_size], 0) for b in range(0, len(rest), batch_size)]
+        plan += planned(idx, shared)
+    return plan + planned(rest, 0)
 
 
-def _hidden(model, rows: list[list[int]], pad: int, prefix: tuple | None, device) -> torch.Tensor:
-    """The final hidden states (B, P + L, d) of `rows` (right-padded to L) after a shared prefix of P tokens whose
-    (KV cache, hidden states (P, d)) is `prefix` (None: no prefix)."""
+def packs(model) -> bool:
+    """Whether examples may share a row: only where every layer attends to the whole context (a custom mask would
+    lose a sliding window)."""
+    config = model.config
+    return getattr(config, "sliding_window", None) is None and \
+        set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+
+
+def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]], shared: int, pad: int,
+            prefix: tuple | None, device) -> torch.Tensor:
+    """The final hidden states (E, L, d) of the examples of `batch`'s units, in order, each over its whole sequence
+    (right-padded to L), after a shared prefix of `shared` tokens whose (KV cache, hidden states (P, d)) is `prefix`
+    (None: no prefix). A unit's row holds its prompt once, then each example's answer; a mask lets an answer's tokens
+    see the prompt and the answer's own earlier tokens only, and its positions follow the prompt's, so each example
+    gets the states it would get alone."""
+    rows, spans = [], []  # per example: (row, own prompt tokens, where its answer starts in the row, its length)
+    for unit in batch:
+        ids, n_prompt = encoded[unit[0]]
+        row = list(ids[shared:n_prompt])
+        for i in unit:
+            seq, own = encoded[i]
+            spans.append((len(rows), n_prompt - shared, len(row), len(seq) - own))
+            row += seq[own:]
+        rows.append(row)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, seq in enumerate(rows):  # right padding: positions are 0..len-1 with no offset
-        ids[r, :len(seq)] = torch.tensor(seq)
-        mask[r, :len(seq)] = 1
+    part = torch.full((len(rows), width), -1)  # -1 padding, 0 the prompt, k the row's k-th answer
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+    for k, (r, q, start, n) in enumerate(spans):
+        part[r, :q], part[r, start:start + n] = 0, k + 1
+        positions[r, :q] = torch.arange(shared, shared + q)
+        positions[r, start:start + n] = torch.arange(shared + q, shared + q + n)
+    t = torch.arange(width)
+    sees = (t[:, None] >= t[None, :]) & (part[:, None, :] >= 0) & \
+        ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
     start = 0 if prefix is None else len(prefix[1])
-    positions = torch.arange(start, start + width).expand(len(rows), width)
+    sees = torch.cat([torch.ones((len(rows), width, start), dtype=torch.bool), sees], -1)
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
     cache = None
     if prefix is not None:
         cache = copy.deepcopy(prefix[0])
         cache.batch_repeat_interleave(len(rows))
-        mask = torch.cat([torch.ones((len(rows), start), dtype=torch.long), mask], 1)
     hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
-    if prefix is None:
-        return hidden
-    return torch.cat([prefix[1].expand(len(rows), -1, -1), hidden], 1)
+    states = hidden.reshape(len(rows) * width, -1)
+    if prefix is not None:
+        states = torch.cat([prefix[1], states])
+    length = max(start + q + n for _, q, _, n in spans)
+    index = [[*range(start), *range(at := start + r * width, at + q), *range(at + begin, at + begin + n)]
+             for r, q, begin, n in spans]
+    index = torch.tensor([i + [0] * (length - len(i)) for i in index])  # right padding: the first state again
+    return states[index.to(states.device)]
 
 
 @torch.inference_mode()
@@ -112,7 +164,7 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     (forget, then retain), a key; examples with the same key run their common first tokens once (None: no
     sharing)."""
     device = next(model.parameters()).device
-    encoded = [encode_example(tokenizer, ex) for ex in forget + retain]
+    encoded = encode_examples(tokenizer, forget + retain)
     labels = [0] * len(forget) + [1] * len(retain)
     counts = [len(ids) - n_prompt for ids, n_prompt in encoded]
     total, d = sum(counts), model.config.hidden_size
@@ -126,16 +178,17 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     record = torch.empty(total, dtype=torch.long)
     starts = np.concatenate([[0], np.cumsum(counts)])
     pad, prefix_key, prefix, done = tokenizer.pad_token_id or 0, None, None, 0
-    plan = list(batches(encoded, groups, batch_size))
-    for idx, shared in tqdm(plan, desc="caching", disable=not progress, leave=False):
+    plan = list(batches(encoded, groups, batch_size, packs(model)))
+    for batch, shared in tqdm(plan, desc="caching", disable=not progress, leave=False):
+        idx = [i for unit in batch for i in unit]
         key = tuple(encoded[idx[0]][0][:shared])
         if shared and key != prefix_key:  # batches of one group come one after another: its prefix runs once
             cache = DynamicCache(config=model.config)
             ids = torch.tensor([key], device=device)
             h = forward_last_hidden(model, ids, torch.ones_like(ids), torch.arange(shared, device=device)[None], cache)
             prefix_key, prefix = key, (cache, h[0].float())
-        hidden = _hidden(model, [encoded[i][0][shared:] for i in idx], pad, prefix if shared else None, device)
-        pooled_all = pooled_positions(hidden, window)  # right padding: each row's positions are its own first
+        hidden = _hidden(model, batch, encoded, shared, pad, prefix if shared else None, device)
+        pooled_all = pooled_positions(hidden, window)  # right padding: each example's positions are its own first
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]
             lo, hi = starts[i], starts[i + 1]

@@ -123,7 +123,7 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
     started = time.perf_counter()
     d = cache.pooled.shape[1]
     head = T3Head(d, vocab, cfg.rank, bias=cfg.bias, probe=cfg.probe, window=cfg.pooling_window)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     train_idx, held_idx = split_records(cache, cfg.holdout, cfg.seed)
     pos = float(cache.label[train_idx].mean())
     class_w = (0.5 / pos, 0.5 / (1 - pos)) if cfg.balance and 0 < pos < 1 else (1.0, 1.0)
