@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lethe.heads.decoding.decode import generate
@@ -51,35 +52,45 @@ def test_word_classes_compare_tokens_as_words(tiny_lm):
             assert i in classes.tokens_of[word]
 
 
-def test_ban_repeats_keeps_a_row_at_least_one_choice():
+# float32 on the CPU takes numpy's path; other dtypes (and other devices) the tensor operations
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+
+
+@DTYPES
+def test_ban_repeats_keeps_a_row_at_least_one_choice(dtype):
     from lethe.heads.decoding.repeats import WordClasses
 
     classes = WordClasses(list(range(10)), [[i] for i in range(10)])
-    scores = torch.full((10,), float("-inf"))
+    scores = torch.full((10,), float("-inf"), dtype=dtype)
     scores[3] = 1.0
     ban_repeats(scores, [3, 4, 3], 2, classes)  # 4 would repeat "3 4", but 4 is no candidate; 3 is the only one
     assert scores[3] == 1.0
     scores[4] = 2.0
     ban_repeats(scores, [3, 4, 3], 2, classes)
     assert scores[4] == float("-inf") and scores[3] == 1.0
+    only = torch.full((10,), float("-inf"), dtype=dtype)
+    only[4] = 2.0
+    ban_repeats(only, [3, 4, 3], 2, classes)  # every candidate would repeat: nothing is banned
+    assert only[4] == 2.0
 
 
-def test_ban_repeats_stops_a_loop_of_punctuation_but_never_cuts_a_character():
+@DTYPES
+def test_ban_repeats_stops_a_loop_of_punctuation_but_never_cuts_a_character(dtype):
     from lethe.heads.decoding.repeats import WordClasses
 
     # tokens 0-1 are words; 2 "\n", 3 "-", 4 " " have no letter; 5 and 6 are bytes of one emoji
     classes = WordClasses([0, 1, -1, -1, -1, -1, -1], [[0], [1]], frozenset({2, 3, 4}))
     loop = [0, 1, 2, 3, 4, 2, 3]  # "Capital of\n- \n-": a space would say "- " after "\n" again
-    scores = torch.zeros(7)
+    scores = torch.zeros(7, dtype=dtype)
     ban_repeats(scores, loop, 3, classes)
     assert scores[4] == float("-inf") and torch.isfinite(scores[[0, 1, 2, 3, 5, 6]]).all()
-    scores = torch.zeros(7)
+    scores = torch.zeros(7, dtype=dtype)
     ban_repeats(scores, [2, 3, 4, 2, 3, 1], 3, classes)  # a word ended the run: nothing to repeat
     assert torch.isfinite(scores).all()
-    scores = torch.zeros(7)
+    scores = torch.zeros(7, dtype=dtype)
     ban_repeats(scores, [0, 5, 6, 5], 2, classes)  # a second emoji: its second byte is never banned
     assert torch.isfinite(scores).all()
-    scores = torch.zeros(7)
+    scores = torch.zeros(7, dtype=dtype)
     ban_repeats(scores, [0, 2, 3, 2], 2, classes)  # the same run of whole symbols: "\n-\n" then "-" is banned
     assert scores[3] == float("-inf") and torch.isfinite(scores[[0, 1, 2, 4, 5, 6]]).all()
 

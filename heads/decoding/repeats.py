@@ -23,6 +23,7 @@ import re
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _WORDLIKE = re.compile(r"\w")
@@ -131,6 +132,17 @@ def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordCl
     if len(run) >= n:  # a run of punctuation and spaces that says an n-gram of itself again
         banned += [t for t in repeat_bans(run, n) if t in classes.symbols]
     if not banned:
+        return
+    if scores.device.type == "cpu" and scores.dtype == torch.float32:  # a few numpy operations, no tensor dispatch
+        row = scores.numpy()  # a view: writes go to `scores`
+        ids = np.asarray(banned)
+        hit = ids[ids < len(row)]
+        hit = hit[np.isfinite(row[hit])]
+        if len(hit):
+            kept = row[hit]
+            row[hit] = -np.inf
+            if not np.isfinite(row).any():  # no finite score left: nothing is banned
+                row[hit] = kept
         return
     ids = torch.tensor([t for t in banned if t < scores.size(0)], dtype=torch.long, device=scores.device)
     if len(ids) == 0 or not bool(torch.isfinite(scores[ids]).any()):
