@@ -17,14 +17,14 @@ def _free_port() -> int:
 def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp_path):
     from lethe.clients.cli import main
     from lethe.heads.evaluation.facts import hit
-    from lethe.heads.evaluation.metrics import EnglishWords
+    from lethe.heads.evaluation.metrics import KnownWords
     from lethe.server.bench.attacks import CONTEXTS
 
     from lethe.heads.evaluation.evaluate import corpus_vocabulary
     from lethe.heads.records import read_jsonl
     from lethe.server.bench.attacks import DEMO_SETS
 
-    english = EnglishWords()
+    english = KnownWords()
     corpus = corpus_vocabulary(read_jsonl(DEMO_SETS / "forget.jsonl") + read_jsonl(DEMO_SETS / "retain.jsonl"))
 
     out = tmp_path / "attacks.json"

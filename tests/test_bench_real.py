@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from lethe.heads.evaluation.evaluate import words as evaluate_words
 from lethe.heads.evaluation.facts import KINDS, hit, records
-from lethe.heads.evaluation.metrics import EnglishWords, has_loop
+from lethe.heads.evaluation.metrics import KnownWords, has_loop
 
 
 def test_hits_look_for_the_gold_answer_and_short_symbols_as_words():
@@ -25,12 +26,16 @@ def test_loops_are_a_short_unit_five_times_in_a_row():
         assert not has_loop(fluent), fluent
 
 
-def test_english_words_count_regular_inflections_and_refuse_stitched_names():
-    words = EnglishWords()
+def test_known_words_count_inflections_names_and_the_asked_language_and_refuse_stitched_names():
+    words = KnownWords()
     assert all(w in words for w in ("countries", "located", "written", "capital", "the", "paris", "cities"))
-    assert not any(w in words for w in ("babagallitha", "tokumababa", "coriobella"))
+    assert not any(w in words for w in ("babagallitha", "tokumababa", "coriobella", "bratisl", "azerba", "lzk"))
+    # names the English lists lack are words (wordfreq has seen them), as are the asked language's words
+    assert all(w in words for w in ("africa", "oslo", "tehran", "nigeria"))
+    assert "hauptstadt" not in words and "hauptstadt" in KnownWords(languages=["de"])
+    assert evaluate_words("España, capital: Madrid") == ["españa", "capital", "madrid"]  # accents stay in a word
     # the demo's made-up names are words of its world: given as extra words, they and their inflections count
-    demo = EnglishWords(["Zapeavund", "Kaikoleas"])
+    demo = KnownWords(["Zapeavund", "Kaikoleas"])
     assert all(w in demo for w in ("zapeavund", "zapeavund's", "kaikoleas", "capital"))
     assert "zapeavund" not in words and "zapeavun" not in demo and "babagallitha" not in demo
 

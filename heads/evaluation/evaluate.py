@@ -29,7 +29,7 @@ from lethe.heads.records import ask, qa_example, resolve_format
 from lethe.heads.decoding.sampling import SamplingParams
 from lethe.heads.evaluation.scoring import completion_nll
 
-WORD = re.compile(r"[a-z]+")
+WORD = re.compile(r"[^\W\d_]+")  # runs of letters, accented ones too ("españa" is one word)
 
 
 def words(text: str) -> list[str]:

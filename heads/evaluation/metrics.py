@@ -26,18 +26,25 @@ def has_loop(text: str) -> bool:
     return LOOP.search(text) is not None
 
 
-class EnglishWords:
-    """English words (the `english-words` package's web2 and GCIDE lists, lower case) with the regular
-    inflections of a listed word (-s, -es, -ies, -ed, -ing, -'s) counted as words too. `extra`: words of the model's
-    own world that count too (the demo's made-up names and places, which are words of the corpus it learnt)."""
+class KnownWords:
+    """What the non-word rate counts as a word: a word of the English lists (the `english-words` package's web2 and
+    GCIDE, lower case), with the regular inflections of a listed word (-s, -es, -ies, -ed, -ing, -'s); a word that
+    wordfreq's frequency lists (Wikipedia, subtitles, news, books and web text) hold in English or in one of
+    `languages` (ISO 639-1 codes): the place and person names and the other languages' words the English lists lack
+    ("africa", "oslo", "tehran"; "hauptstadt", "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary") is
+    in neither; or one of `extra`: words of the model's own world (the demo's made-up names and places, which are
+    words of the corpus it learnt)."""
 
-    def __init__(self, extra: Iterable[str] = ()):
+    def __init__(self, extra: Iterable[str] = (), languages: Iterable[str] = ()):
         try:
             from english_words import get_english_words_set
+            from wordfreq import zipf_frequency
         except ImportError:
-            raise ImportError("the non-word rate needs the `english-words` package: pip install 'lethe[bench]'") \
-                from None
+            raise ImportError("the non-word rate needs the `english-words` and `wordfreq` packages: "
+                              "pip install 'lethe[bench]'") from None
         self.words = get_english_words_set(["web2", "gcide"], lower=True) | {w.lower() for w in extra}
+        self.languages = ("en", *sorted(set(languages) - {"en"}))
+        self._frequency, self._seen = zipf_frequency, {}
 
     def __contains__(self, word: str) -> bool:
         w, known = word.lower(), self.words
@@ -47,4 +54,6 @@ class EnglishWords:
                              ("ing", ""), ("ing", "e")):
             if w.endswith(suffix) and len(w) > len(suffix) + 1 and w[: -len(suffix)] + repl in known:
                 return True
-        return False
+        if w not in self._seen:
+            self._seen[w] = any(self._frequency(w, lang) > 0 for lang in self.languages)
+        return self._seen[w]

@@ -40,7 +40,7 @@ import httpx
 
 from lethe.heads.evaluation.evaluate import corpus_vocabulary, words
 from lethe.heads.evaluation.facts import KINDS, hit, records
-from lethe.heads.evaluation.metrics import EnglishWords, has_loop
+from lethe.heads.evaluation.metrics import KnownWords, has_loop
 from lethe.heads.records import read_jsonl, spread
 from lethe.server.bench import shown_path
 from lethe.server.bench.real import fluency
@@ -503,9 +503,11 @@ class AttackBench:
         self.facts = self.facts_for_chat() if self.chat else self.facts_for_demo()
         head = self.made(self.cfg.backend)
         contexts = [c for c in CONTEXTS if (self.chat or not c.language) and asks(self.cfg.only, c.name)]
-        vocab = EnglishWords() if self.chat else EnglishWords(corpus_vocabulary(
-            read_jsonl(DEMO_SETS / "forget.jsonl") + read_jsonl(DEMO_SETS / "retain.jsonl")))
-        rows = [self.row(ctx, label, runs, vocab) for label, runs in self.decodings() for ctx in contexts]
+        extra = () if self.chat else corpus_vocabulary(read_jsonl(DEMO_SETS / "forget.jsonl") +
+                                                       read_jsonl(DEMO_SETS / "retain.jsonl"))
+        # an answer asked for in French counts French words as words too
+        vocab = {lang: KnownWords(extra, [lang] if lang else []) for lang in {c.language for c in contexts}}
+        rows = [self.row(ctx, label, runs, vocab[ctx.language]) for label, runs in self.decodings() for ctx in contexts]
         report = {
             "model": shown_path(self.lm.path), "fingerprint": self.lm.fingerprint, "engine": self.engine,
             "format": "chat" if self.chat else "qa",

@@ -23,7 +23,7 @@ from lethe.heads.decoding.decode import generate_chunked
 from lethe.heads.decoding.sampling import SamplingParams
 from lethe.heads.evaluation.evaluate import nonword_rate, repeated_trigram_rate
 from lethe.heads.evaluation.facts import KINDS, hit, kind, records
-from lethe.heads.evaluation.metrics import EnglishWords, has_loop
+from lethe.heads.evaluation.metrics import KnownWords, has_loop
 from lethe.heads.records import ask, resolve_format
 from lethe.heads.t3.guide import HeadGuide, TiltSettings
 from lethe.heads.t3.pipeline import train_head
@@ -139,7 +139,7 @@ def run(lm, cfg: RealBenchConfig | None = None, log=print, decoder=None) -> dict
     trainer, lm = lm, (replace(lm, model=decoder) if decoder is not None else lm)  # lm: what answers
     started = time.perf_counter()
     fmt = resolve_format(lm.tokenizer, cfg.fit.format)
-    vocab = EnglishWords()
+    vocab = KnownWords()
     greedy = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     forget_kind = kind(cfg.forget)
 
