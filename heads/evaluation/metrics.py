@@ -26,13 +26,19 @@ def has_loop(text: str) -> bool:
     return LOOP.search(text) is not None
 
 
+# wordfreq's lists hold web text's fragments too ("ine", "ard", "vts": Zipf 2-4), as short as the pieces a tilted
+# model glues onto a name; its names and foreign words counted here have 4 letters or more and at least this Zipf
+# frequency (0.1 per million words: "isfahan" 2.5, "tehran" 3.6; "londen" 1.4 and "egypto" 0 stay non-words)
+FREQUENT_MIN_LETTERS, FREQUENT_ZIPF = 4, 2.0
+
+
 class KnownWords:
     """What the non-word rate counts as a word: a word of the English lists (the `english-words` package's web2 and
     GCIDE, lower case), with the regular inflections of a listed word (-s, -es, -ies, -ed, -ing, -'s); a word that
     wordfreq's frequency lists (Wikipedia, subtitles, news, books and web text) hold in English or in one of
-    `languages` (ISO 639-1 codes): the place and person names and the other languages' words the English lists lack
-    ("africa", "oslo", "tehran"; "hauptstadt", "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary") is
-    in neither; or one of `extra`: words of the model's own world (the demo's made-up names and places, which are
+    `languages` (ISO 639-1 codes) at least FREQUENT_ZIPF often, with FREQUENT_MIN_LETTERS letters or more: the place
+    and person names and the other languages' words the English lists lack ("africa", "oslo", "tehran"; "hauptstadt",
+    "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary", "ine") is not; or one of `extra`: words of the model's own world (the demo's made-up names and places, which are
     words of the corpus it learnt)."""
 
     def __init__(self, extra: Iterable[str] = (), languages: Iterable[str] = ()):
@@ -54,6 +60,8 @@ class KnownWords:
                              ("ing", ""), ("ing", "e")):
             if w.endswith(suffix) and len(w) > len(suffix) + 1 and w[: -len(suffix)] + repl in known:
                 return True
+        if len(w) < FREQUENT_MIN_LETTERS:
+            return False
         if w not in self._seen:
-            self._seen[w] = any(self._frequency(w, lang) > 0 for lang in self.languages)
+            self._seen[w] = any(self._frequency(w, lang) >= FREQUENT_ZIPF for lang in self.languages)
         return self._seen[w]
