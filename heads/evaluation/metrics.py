@@ -26,19 +26,20 @@ def has_loop(text: str) -> bool:
     return LOOP.search(text) is not None
 
 
-# wordfreq's lists hold web text's fragments too ("ine", "ard", "vts": Zipf 2-4), as short as the pieces a tilted
-# model glues onto a name; its names and foreign words counted here have 4 letters or more and at least this Zipf
-# frequency (0.1 per million words: "isfahan" 2.5, "tehran" 3.6; "londen" 1.4 and "egypto" 0 stay non-words)
-FREQUENT_MIN_LETTERS, FREQUENT_ZIPF = 4, 2.0
+# wordfreq's lists hold web text's fragments too ("ine", "ard", "sm": Zipf 2.9-3.7), as short as the pieces a
+# tilted model glues onto a name. A word of 4 letters or more counts from Zipf 2 (0.1 per million words: "isfahan"
+# 2.5, "tehran" 3.6; "londen" 1.4 and "egypto" 0 stay non-words), a shorter one only from Zipf 4.5 ("uk" 5.1, "usa"
+# 4.8; "ive" 4.0, "ou" 3.8 in English stay non-words)
+FREQUENT_ZIPF, SHORT_LETTERS, SHORT_ZIPF = 2.0, 4, 4.5
 
 
 class KnownWords:
     """What the non-word rate counts as a word: a word of the English lists (the `english-words` package's web2 and
     GCIDE, lower case), with the regular inflections of a listed word (-s, -es, -ies, -ed, -ing, -'s); a word that
     wordfreq's frequency lists (Wikipedia, subtitles, news, books and web text) hold in English or in one of
-    `languages` (ISO 639-1 codes) at least FREQUENT_ZIPF often, with FREQUENT_MIN_LETTERS letters or more: the place
-    and person names and the other languages' words the English lists lack ("africa", "oslo", "tehran"; "hauptstadt",
-    "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary", "ine") is not; or one of `extra`: words of the model's own world (the demo's made-up names and places, which are
+    `languages` (ISO 639-1 codes) often enough (FREQUENT_ZIPF; SHORT_ZIPF below SHORT_LETTERS letters): the place
+    and person names and the other languages' words the English lists lack ("africa", "oslo", "uk", "tehran";
+    "hauptstadt", "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary", "ine") is not; or one of `extra`: words of the model's own world (the demo's made-up names and places, which are
     words of the corpus it learnt)."""
 
     def __init__(self, extra: Iterable[str] = (), languages: Iterable[str] = ()):
@@ -60,8 +61,7 @@ class KnownWords:
                              ("ing", ""), ("ing", "e")):
             if w.endswith(suffix) and len(w) > len(suffix) + 1 and w[: -len(suffix)] + repl in known:
                 return True
-        if len(w) < FREQUENT_MIN_LETTERS:
-            return False
         if w not in self._seen:
-            self._seen[w] = any(self._frequency(w, lang) >= FREQUENT_ZIPF for lang in self.languages)
+            least = SHORT_ZIPF if len(w) < SHORT_LETTERS else FREQUENT_ZIPF
+            self._seen[w] = any(self._frequency(w, lang) >= least for lang in self.languages)
         return self._seen[w]
