@@ -256,7 +256,7 @@ class JobRunner:
         CPUs) takes longer than the stale limit; the task dies with this replica (Ray fate-shares a task with its
         owner), so a job whose replica died still goes stale."""
         waiting = threading.Event()
-        threading.Thread(target=self._beat, args=(job["id"], waiting, threading.Event()), daemon=True,
+        threading.Thread(target=self._beat_dispatched, args=(job["id"], waiting), daemon=True,
                          name="lethe-job-dispatch-heartbeat").start()
         try:
             return self.dispatch(job)
@@ -269,6 +269,17 @@ class JobRunner:
             return "failed"
         finally:
             waiting.set()
+
+    def _beat_dispatched(self, job_id: str, done: threading.Event) -> None:
+        """The dispatching replica's heartbeat for a job: until its task ends, or for the job's time budget at most
+        (a task that never started by then is taken for lost: the beat stops and the stale check fails the job)."""
+        until = time.monotonic() + self.budget
+        while not done.wait(min(HEARTBEAT, self.stale / 4)) and time.monotonic() < until:
+            try:
+                self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
+                                (time.time(), job_id))])
+            except Exception:  # a database that is away for a moment: the next beat tries again
+                log.warning("heartbeat of job %s not written", job_id, exc_info=True)
 
     def _public(self, message: str) -> str:
         """A job's error as its tenant may see it: no server paths."""

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from lethe.heads.demo.corpus import split_by_author
-from lethe.heads.records import Context, answer_forms, ask, examples, qa_example
+from lethe.heads.records import Context, answer_forms, ask, encode_example, examples, qa_example
 from lethe.heads.t3 import cache as cache_module
 from lethe.heads.t3.cache import build_cache, context_shifts
+from lethe.heads.t3.pooling import pooled_positions
 from lethe.heads.t3.contexts import RETAIN_PER_FORGET, SMALL_TALK, context_counts, context_examples, draw_contexts
 from lethe.heads.t3.pipeline import train_head
 from lethe.heads.t3.train import FitConfig, shifted
@@ -107,6 +108,28 @@ def test_records_with_the_same_prompt_run_it_once_in_one_row_with_the_same_state
         torch.testing.assert_close(packed.pooled.float(), alone.pooled.float(), atol=2e-3, rtol=0)
         assert torch.equal(packed.target, alone.target) and torch.equal(packed.record, alone.record)
         assert torch.equal(packed.label, alone.label)
+        # and both are what the model gives each example run on its own, with no mask of ours
+        for i in (0, len(forget), len(sides[0]) + 1):
+            seq, n_prompt = encode_example(tiny_lm.tokenizer, (sides[0] + sides[1])[i])
+            ids = torch.tensor([seq])
+            hidden = forward(tiny_lm.model, ids, torch.ones_like(ids), torch.arange(len(seq))[None], None)
+            own = pooled_positions(hidden.float(), window)[0, n_prompt - 1:len(seq) - 1]
+            torch.testing.assert_close(packed.pooled[packed.record == i].float(), own, atol=2e-3, rtol=0)
+
+
+def test_only_decoders_that_read_the_positions_given_on_full_attention_pack_a_row():
+    from types import SimpleNamespace
+
+    def model(**config):
+        base = {"model_type": "llama", "sliding_window": None, "layer_types": None, "_attn_implementation": "sdpa"}
+        return SimpleNamespace(config=SimpleNamespace(**(base | config)))
+
+    assert cache_module.packs(model()) and cache_module.packs(model(_attn_implementation="eager"))
+    assert cache_module.packs(model(layer_types=["full_attention"] * 4))
+    assert not cache_module.packs(model(sliding_window=4096))  # a custom mask would lose the window
+    assert not cache_module.packs(model(layer_types=["sliding_attention", "full_attention"]))
+    assert not cache_module.packs(model(model_type="bloom"))  # ALiBi: no position ids
+    assert not cache_module.packs(model(_attn_implementation="flash_attention_2"))
 
 
 def test_a_context_shift_is_what_a_context_did_to_the_same_answers_pooled_states(tiny_lm, split):

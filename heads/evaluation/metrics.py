@@ -39,7 +39,8 @@ class KnownWords:
     wordfreq's frequency lists (Wikipedia, subtitles, news, books and web text) hold in English or in one of
     `languages` (ISO 639-1 codes) often enough (FREQUENT_ZIPF; SHORT_ZIPF below SHORT_LETTERS letters): the place
     and person names and the other languages' words the English lists lack ("africa", "oslo", "uk", "tehran";
-    "hauptstadt", "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary", "ine") is not; or one of `extra`: words of the model's own world (the demo's made-up names and places, which are
+    "hauptstadt", "ciudad"), while a stitched fragment ("bratisl", "dredrougpbinary", "ine") is not; or one of
+    `extra`: words of the model's own world (the demo's made-up names and places, which are
     words of the corpus it learnt)."""
 
     def __init__(self, extra: Iterable[str] = (), languages: Iterable[str] = ()):

@@ -87,7 +87,12 @@ def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_siz
     def planned(idx: list[int], shared: int) -> list[tuple[list[list[int]], int]]:
         rows = sorted(units(idx, encoded, pack), key=lambda u: encoded[u[0]][1] + sum(
             len(encoded[i][0]) - encoded[i][1] for i in u))
-        return [(rows[b:b + batch_size], shared) for b in range(0, len(rows), batch_size)]
+        out: list[list[list[int]]] = [[]]
+        for unit in rows:  # at most `batch_size` examples a batch (each gets its own states, whatever its row)
+            if out[-1] and sum(map(len, out[-1])) + len(unit) > batch_size:
+                out.append([])
+            out[-1].append(unit)
+        return [(batch, shared) for batch in out if batch]
 
     plan, rest = [], members.pop(None, [])
     for idx in members.values():
@@ -100,12 +105,42 @@ def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_siz
     return plan + planned(rest, 0)
 
 
+# decoders whose layers all attend with rotary positions read from the position ids given: a custom mask and positions
+# that restart after the prompt give each packed answer the states it gets alone (not ALiBi, not a recurrent state)
+PACKING_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+                            "gemma", "granite", "olmo", "olmo2", "stablelm", "smollm3"})
+
+
 def packs(model) -> bool:
-    """Whether examples may share a row: only where every layer attends to the whole context (a custom mask would
-    lose a sliding window)."""
+    """Whether examples with the same prompt may share a row: a decoder of PACKING_MODELS on sdpa or eager attention
+    whose every layer attends to the whole context (transformers passes a custom mask to every layer as it is, which
+    would lose a sliding window)."""
     config = model.config
-    return getattr(config, "sliding_window", None) is None and \
-        set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+    return config.model_type in PACKING_MODELS and getattr(config, "sliding_window", None) is None and \
+        set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"} and \
+        getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def _alone(model, rows: list[list[int]], pad: int, prefix: tuple | None, device) -> torch.Tensor:
+    """The final hidden states (B, P + L, d) of `rows` (right-padded to L), one example each, after a shared prefix of
+    P tokens whose (KV cache, hidden states (P, d)) is `prefix` (None: no prefix): the model's own padding mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, seq in enumerate(rows):  # right padding: positions are 0..len-1 with no offset
+        ids[r, :len(seq)] = torch.tensor(seq)
+        mask[r, :len(seq)] = 1
+    start = 0 if prefix is None else len(prefix[1])
+    positions = torch.arange(start, start + width).expand(len(rows), width)
+    cache = None
+    if prefix is not None:
+        cache = copy.deepcopy(prefix[0])
+        cache.batch_repeat_interleave(len(rows))
+        mask = torch.cat([torch.ones((len(rows), start), dtype=torch.long), mask], 1)
+    hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
+    if prefix is None:
+        return hidden
+    return torch.cat([prefix[1].expand(len(rows), -1, -1), hidden], 1)
 
 
 def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]], shared: int, pad: int,
@@ -114,7 +149,9 @@ def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]],
     (right-padded to L), after a shared prefix of `shared` tokens whose (KV cache, hidden states (P, d)) is `prefix`
     (None: no prefix). A unit's row holds its prompt once, then each example's answer; a mask lets an answer's tokens
     see the prompt and the answer's own earlier tokens only, and its positions follow the prompt's, so each example
-    gets the states it would get alone."""
+    gets the states it would get alone. A batch of one example a row runs as `_alone`."""
+    if all(len(unit) == 1 for unit in batch):
+        return _alone(model, [encoded[unit[0]][0][shared:] for unit in batch], pad, prefix, device)
     rows, spans = [], []  # per example: (row, own prompt tokens, where its answer starts in the row, its length)
     for unit in batch:
         ids, n_prompt = encoded[unit[0]]
@@ -139,7 +176,7 @@ def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]],
         ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
     start = 0 if prefix is None else len(prefix[1])
     sees = torch.cat([torch.ones((len(rows), width, start), dtype=torch.bool), sees], -1)
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype  # the compute dtype (a first parameter may be kept in float32 or quantised)
     mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
     cache = None
     if prefix is not None:

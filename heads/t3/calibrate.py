@@ -39,7 +39,9 @@ class _Reader:
         return logits
 
     def row(self, i: int):  # every row's head: decoding pools over its window
-        return self.head, None
+        from lethe.heads.t3.guide import TiltSettings
+
+        return self.head, TiltSettings()
 
 
 @torch.inference_mode()
