@@ -76,8 +76,8 @@ def units(idx: list[int], encoded: list[tuple[list[int], int]], pack: bool = Tru
 
 
 def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_size: int, pack: bool = True):
-    """(units, shared prefix length) per batch: up to `batch_size` units (`units`: examples with the same prompt,
-    one row). Records of one group (the same context before their question, or the same chat template's system
+    """(units, shared prefix length) per batch: units (`units`: examples with the same prompt, one row) of up to
+    `batch_size` examples in all. Records of one group (the same context before their question, or the same chat template's system
     prompt) share their first tokens, which then run once for the whole group where that saves at least MIN_SAVED
     tokens; units of similar lengths share a batch, so little is padding."""
     members: dict = {}
@@ -167,10 +167,10 @@ def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]],
     positions = torch.zeros((len(rows), width), dtype=torch.long)
     for r, row in enumerate(rows):
         ids[r, :len(row)] = torch.tensor(row)
-    for k, (r, q, start, n) in enumerate(spans):
-        part[r, :q], part[r, start:start + n] = 0, k + 1
+    for k, (r, q, begin, n) in enumerate(spans):
+        part[r, :q], part[r, begin:begin + n] = 0, k + 1
         positions[r, :q] = torch.arange(shared, shared + q)
-        positions[r, start:start + n] = torch.arange(shared + q, shared + q + n)
+        positions[r, begin:begin + n] = torch.arange(shared + q, shared + q + n)
     t = torch.arange(width)
     sees = (t[:, None] >= t[None, :]) & (part[:, None, :] >= 0) & \
         ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
