@@ -98,7 +98,10 @@ def test_records_with_the_same_prompt_run_it_once_in_one_row_with_the_same_state
                         lambda model, ids, *a: tokens.append(ids.numel()) or forward(model, ids, *a))
     for window, groups in ((0, None), (4, None), (16, ["plain"] * sum(map(len, sides)))):
         tokens.clear()
-        packed = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window, groups=groups)
+        with monkeypatch.context() as m:  # packed whatever attention an earlier test registered on the shared model
+            m.setattr(cache_module, "packs", lambda model: True)
+            packed = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window,
+                                 groups=groups)
         packed_tokens = sum(tokens)
         tokens.clear()
         with monkeypatch.context() as m:
