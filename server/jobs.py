@@ -160,6 +160,9 @@ class JobRunner:
         return self.store.tx([("UPDATE jobs SET status = 'running', started = ?, heartbeat = ?, phase = 'caching', "
                                "progress = 0 WHERE id = ? AND status = 'queued'", (now, now, job_id))]) == 1
 
+    def _heartbeat(self, job_id: str) -> None:
+        self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'", (time.time(), job_id))])
+
     def _beat(self, job_id: str, done: threading.Event, cancel: threading.Event) -> None:
         """While the job runs: its heartbeat, a cancel asked through another replica passed on to it, and its
         time budget (past it, the job is stopped as a cancel stops it, and failed)."""
@@ -168,8 +171,7 @@ class JobRunner:
                 self._over.add(job_id)
                 cancel.set()
             try:
-                self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
-                                (time.time(), job_id))])
+                self._heartbeat(job_id)
                 if self.store.q("SELECT id FROM jobs WHERE id = ? AND error = ?", job_id, CANCEL_ASKED):
                     cancel.set()
             except Exception:  # a database that is away for a moment: the next beat tries again
@@ -276,8 +278,7 @@ class JobRunner:
         until = time.monotonic() + self.budget
         while not done.wait(min(HEARTBEAT, self.stale / 4)) and time.monotonic() < until:
             try:
-                self.store.tx([("UPDATE jobs SET heartbeat = ? WHERE id = ? AND status = 'running'",
-                                (time.time(), job_id))])
+                self._heartbeat(job_id)
             except Exception:  # a database that is away for a moment: the next beat tries again
                 log.warning("heartbeat of job %s not written", job_id, exc_info=True)
 

@@ -92,6 +92,17 @@ def test_a_database_of_the_release_before_versioned_schemas_is_upgraded_in_place
         Store(tmp_path, database_url)
 
 
+def _head_job(client) -> tuple[dict, str]:
+    """A new tenant's headers, and the id of a head job it started through `client` (one record a set)."""
+    from live_server import ADMIN_KEY
+
+    key = client.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    headers = {"Authorization": f"Bearer {key.json()['api_key']}"}
+    record = '{"question": "q?", "answer": "a."}\n'
+    ids = [client.post("/v1/datasets", content=record.encode(), headers=headers).json()["id"] for _ in range(2)]
+    return headers, client.post("/v1/heads", json={"forget": ids[0], "retain": ids[1]}, headers=headers).json()["id"]
+
+
 def test_a_job_running_on_one_replica_is_cancelled_through_another(tiny_model_dir, tmp_path, postgres_server_url):
     """Two servers on one PostgreSQL database and data directory (as two replicas are): a job that runs on one
     stops when the other is asked to cancel it, at the runner's next heartbeat."""
@@ -120,11 +131,7 @@ def test_a_job_running_on_one_replica_is_cancelled_through_another(tiny_model_di
                     raise AssertionError("never cancelled")
                 raise Cancelled()
             client.app.state.jobs._train = slow_train
-        key = one.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-        headers = {"Authorization": f"Bearer {key.json()['api_key']}"}
-        record = '{"question": "q?", "answer": "a."}\n'
-        ids = [one.post("/v1/datasets", content=record.encode(), headers=headers).json()["id"] for _ in range(2)]
-        job = one.post("/v1/heads", json={"forget": ids[0], "retain": ids[1]}, headers=headers).json()["id"]
+        headers, job = _head_job(one)
         assert started.wait(30)
         other = two if ran_on["name"] == "one" else one
         t0 = time.time()
@@ -163,11 +170,7 @@ def test_a_dispatched_job_whose_task_is_slow_to_start_is_not_failed_as_stale(tin
             raise RuntimeError("its process died: killed, or out of memory")
         for client in (one, two):
             client.app.state.jobs.dispatch = slow_task
-        key = one.post("/admin/tenants", json={"name": "t"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-        headers = {"Authorization": f"Bearer {key.json()['api_key']}"}
-        record = '{"question": "q?", "answer": "a."}\n'
-        ids = [one.post("/v1/datasets", content=record.encode(), headers=headers).json()["id"] for _ in range(2)]
-        job = one.post("/v1/heads", json={"forget": ids[0], "retain": ids[1]}, headers=headers).json()["id"]
+        headers, job = _head_job(one)
         assert dispatched.wait(30)
         t0 = time.time()
         while (state := two.get(f"/v1/jobs/{job}", headers=headers).json())["status"] == "running":
