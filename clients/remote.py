@@ -124,6 +124,7 @@ def profiles(client: Lethe, args):
                                   flagged_mass=args.flagged_mass,
                                   candidates=args.candidates, cap=args.cap, min_p=args.min_p,
                                   repeat_guard=args.repeat_guard, word_guard=args.word_guard,
+                                  whole_words=args.whole_words,
                                   abstain=args.abstain,
                                   abstain_above=args.abstain_above,
                                   adapter_above=args.adapter_above, note=args.note)

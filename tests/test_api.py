@@ -161,10 +161,14 @@ def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["word_guard"] is True  # the default
     assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["word_guard"] is False
     assert a.put("/v1/profiles/unguarded", json={"head": head, "word_guard": False}).json()["spec"]["word_guard"] is False
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["whole_words"] is True  # the default
+    assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["whole_words"] is False
+    assert a.put("/v1/profiles/spelt", json={"head": head, "whole_words": False}).json()["spec"]["whole_words"] is False
     for bad, field in (({"repeat_guard": 1}, "repeat_guard"), ({"repeat_guard": 17}, "repeat_guard"),
                        ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above"),
                        ({"sticky_gate": 1}, "sticky_gate"), ({"flagged_mass": 1.0}, "flagged_mass"),
-                       ({"flagged_mass": -0.1}, "flagged_mass"), ({"word_guard": "on"}, "word_guard")):
+                       ({"flagged_mass": -0.1}, "flagged_mass"), ({"word_guard": "on"}, "word_guard"),
+                       ({"whole_words": 1}, "whole_words")):
         r = a.put("/v1/profiles/fluent-bad", json={"head": head, **bad})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == field, (bad, r.json())
     assert a.get("/v1/profiles/fluent-bad").status_code == 404

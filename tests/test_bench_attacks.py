@@ -20,7 +20,7 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
     from lethe.heads.evaluation.metrics import KnownWords
     from lethe.server.bench.attacks import CONTEXTS
 
-    from lethe.heads.evaluation.evaluate import corpus_vocabulary
+    from lethe.heads.evaluation.evaluate import corpus_vocabulary, words
     from lethe.heads.records import read_jsonl
     from lethe.server.bench.attacks import DEMO_SETS
 
@@ -53,6 +53,9 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
             # neither English nor the demo's own words (its made-up names are the words of its corpus)
             assert all(w not in english and w not in corpus for w, _ in listed) and [n for _, n in listed] == sorted(
                 [n for _, n in listed], reverse=True)
+        # and the profile's answers that hold them are among the misses to read
+        odd = {w for w, _ in forget["nonwords_profile"]}
+        assert bool(odd) == any(odd & set(words(m["profile"])) for m in row["forget_misses"]), name
     plain = rows["plain"]["forget"]
     assert plain["hits_base"] > 0 and plain["hits_profile"] < plain["hits_base"]  # known, then forgotten
     tokens = {name: rows[name]["prompt_tokens"] for name in ("plain", "preamble", "document", "question-earlier")}

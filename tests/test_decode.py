@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from lethe.heads.decoding.decode import generate
@@ -150,6 +151,11 @@ def test_the_decode_loop_hands_the_tokenizers_words_to_a_guide_whose_rows_guard_
     texts = [tok.decode([i]) for i in ids]
     assert [bool(joins[i]) for i in ids] == [t[0].isalnum() for t in texts] and texts[-1] == "."
     assert sum(joins[i] for i in ids) >= 2 and not any(joins[i] for i in tok.all_special_ids)
+    # a word spelled in bytes (a Cyrillic name on a byte-level vocabulary): its pieces are parts of a character, which
+    # the whole-words lookahead counts as going on spelling; whole words and punctuation are not
+    partial = word_classes(tok).partial
+    cyrillic = tok(" Россия", add_special_tokens=False)["input_ids"]
+    assert len(cyrillic) > 2 and all(partial[i] for i in cyrillic[1:]) and not any(partial[i] for i in ids)
 
 
 def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(tiny_lm, tiny_records):
@@ -196,3 +202,79 @@ def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
         assert kept.finish_reason == "length" and kept.completion_tokens == 200
     finally:
         engine.close()
+
+
+def test_a_lookahead_gives_the_logits_feeding_the_token_would_and_leaves_the_batch_as_it_was(tiny_lm, tiny_records):
+    # `TorchRows.peek` (the whole-words lookahead) feeds one row's candidates on a copy of its cache: each result
+    # equals the logits the row gets when that token is really fed, and the batch then decodes as if nothing happened
+    from lethe.heads.decoding.decode import Batch
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    prompts = _prompts(tiny_records, 2) + ["Question: Who?\nAnswer:"]  # lengths differ: left padding
+    params = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 3
+    batch = Batch(model, tok, prompts, params)
+    batch.step()
+    tokens = torch.tensor([5, 17, 29])
+    with torch.inference_mode():
+        ahead = batch.runner.peek(1, tokens)
+    for token, got in zip(tokens.tolist(), ahead):
+        ids = tok(prompts[1], add_special_tokens=False)["input_ids"] + batch.rows[1].token_ids + [token]
+        with torch.inference_mode():
+            want = model(torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    while not batch.done:
+        batch.step()
+    for prompt, row in zip(prompts, batch.rows):
+        assert row.token_ids == generate(model, tok, [prompt], params[0])[0].token_ids
+
+
+def _turned_case(model, tok, prompts, joins):
+    """Token ids (a question and the first tokens of the base model's greedy answer) after which the likeliest token
+    starts a word (the head will flag it), with the other word starts among the base model's 20 likeliest next
+    tokens (the first 8) and the probability that the base model ends each one's word right after it: the first
+    place, along the greedy answers, where the likeliest other start would go on spelling and a later one would
+    end its word."""
+    for prompt in prompts:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        for _ in range(12):
+            with torch.inference_mode():
+                order = model(torch.tensor([ids])).logits[0, -1].float().argsort(descending=True)[:20].tolist()
+            starts = [t for t in order[1:] if not joins[t]][:8]
+            if not joins[order[0]] and starts:
+                with torch.inference_mode():
+                    nxt = model(torch.tensor([ids + [t] for t in starts])).logits[:, -1].float().softmax(-1)
+                ends = (nxt[:, : len(joins)] * ~joins).sum(-1).tolist()
+                if ends[0] < 0.5 and max(ends) >= 0.5:
+                    return ids, order[0], starts, ends
+            ids = ids + [order[0]]
+    raise AssertionError("no greedy answer of the tiny model has a word whose next best start goes on spelling")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_whole_words_replaces_a_flagged_word_with_a_start_the_model_ends_as_a_word(tiny_lm, tiny_records, fused):
+    # a head that flags the base model's likeliest first word: the cap turns it away, and the next best start is
+    # one the model would go on spelling (a fragment); with whole_words the row takes the best start whose word
+    # the model ends at the next token instead, and the flagged word stays under it
+    from lethe.heads.decoding.decode import Batch
+    from lethe.heads.decoding.repeats import word_classes
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    joins = word_classes(tok).joins
+    prompts = [question_prompt(r["question"]) for r in tiny_records[::7]]
+    prompt, top, starts, ends = _turned_case(model, tok, prompts, joins)
+    head = T3Head(model.config.hidden_size, model.config.vocab_size, 4).eval().requires_grad_(False)
+    probe = Batch(model, tok, [prompt], [SamplingParams(max_new_tokens=1, temperature=0.0)])
+    u = head.down(probe.pooled())[0]
+    head.up.weight.zero_()
+    head.up.weight[top] = -10 * u / u.dot(u)  # z = -10 for the likeliest token, 0 (not flagged) for every other
+    head.probe.weight.zero_()
+    head.probe.bias.fill_(-10.0)  # the probe calls every context forget-like: the gate is open
+    greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
+    chosen = {}
+    for on in (False, True):
+        guide = HeadGuide([(head, TiltSettings(whole_words=on, repeat_guard=0))], fused=fused)
+        chosen[on] = generate(model, tok, [prompt], greedy, guide)[0].token_ids[0]
+    assert chosen[False] == starts[0]  # the tilt's own choice: the next best start, a fragment
+    assert chosen[True] == next(t for t, e in zip(starts, ends) if e >= 0.5) and chosen[True] != top

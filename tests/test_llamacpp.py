@@ -367,3 +367,31 @@ def test_asu_rows_decode_beside_base_and_head_rows_as_they_would_alone(real_lm, 
     changed = [a.token_ids != p.token_ids for a, p in zip(alone, plain)]
     assert changed[0] and not changed[1] and not changed[3], changed  # the adapter's rows (0, 2) and only those
     assert len(llama.free) == llama.rows and not llama.adapters
+
+
+def test_a_lookahead_on_llama_cpp_gives_the_logits_feeding_would_and_leaves_the_row_as_it_was(real_lm, llama):
+    """`LlamaRows.peek` (the whole-words lookahead) decodes each candidate in the row's own sequence and removes it:
+    each result is the logits the row gets when that token is really fed, the row then decodes as it would have,
+    and every sequence is free afterwards."""
+    from lethe.heads.decoding.decode import Batch, generate
+    from lethe.heads.decoding.sampling import SamplingParams
+
+    tok = real_lm.tokenizer
+    prompts = _prompts(tok, ["France", "Japan"])
+    params = [SamplingParams(max_new_tokens=8, temperature=0)] * 2
+    batch = Batch(llama, tok, prompts, params)
+    batch.step()
+    tokens = torch.tensor(tok(" Paris Lyon the", add_special_tokens=False)["input_ids"])
+    ahead = batch.runner.peek(1, tokens)
+    for token, got in zip(tokens.tolist(), ahead):
+        fed = Batch(llama, tok, prompts[1:], params[1:])
+        fed.step()
+        fed.runner.feed(torch.tensor([token]))
+        torch.testing.assert_close(got, fed.runner.logits()[0], rtol=1e-4, atol=1e-4)
+        fed.close()
+    while not batch.done:
+        batch.step()
+    batch.close()
+    for prompt, row in zip(prompts, batch.rows):
+        assert row.token_ids == generate(llama, tok, [prompt], params[0])[0].token_ids
+    assert sorted(llama.free) == list(range(ROWS))

@@ -147,6 +147,40 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
             torch.testing.assert_close(torch.softmax(got[i], -1), torch.softmax(want[0], -1))
 
 
+def test_whole_words_drops_the_starts_the_model_would_go_on_spelling_and_holds_the_flagged_under_what_is_left():
+    """Budapest flagged and turned away: " Br" (the base model's next best start, which it can only finish with
+    letters of its own: "atisl" + "ál") is dropped for " the", whose word ends there; the flagged token, which the
+    cap had held under " Br", is held under " the" now. Where no start ends, or every one does, nothing changes."""
+    from lethe.heads.t3.tilt import keep_whole_words, word_ends
+
+    joins = torch.tensor([False, False, False, True, True, False])  # 3, 4: pieces continuing a word; 5: "."
+    flagged, br, the, punct = 0, 1, 2, 5
+    scores = torch.tensor([3.5, 4.0, 3.0, float("-inf"), float("-inf"), 2.0])
+    nxt = torch.full((2, 6), -9.0)
+    nxt[0, 3] = 5.0  # after " Br": a piece that continues the word, almost surely
+    nxt[1, punct] = 5.0  # after " the": the word ends
+    ends = word_ends(nxt, joins)
+    assert ends[0] < 0.01 and ends[1] > 0.99
+    out = keep_whole_words(scores.clone(), torch.tensor([br, the]), ends, torch.tensor([flagged]), 0.5)
+    assert out[br] == float("-inf") and out[the] == 3.0 and out[punct] == 2.0
+    assert out[flagged] == 2.5 and int(out.argmax()) == the  # the best unflagged left (" the") minus the cap
+    uncapped = keep_whole_words(scores.clone(), torch.tensor([br, the]), ends, torch.tensor([flagged]), None)
+    assert uncapped[flagged] == 3.5 and uncapped[br] == float("-inf")
+    for same in (torch.tensor([0.2, 0.3]), torch.tensor([0.6, 0.9])):  # no start ends, or every one does
+        assert torch.equal(keep_whole_words(scores.clone(), torch.tensor([br, the]), same, torch.tensor([flagged]),
+                                            0.5), scores)
+
+
+def test_whole_words_is_a_boolean_setting_off_in_the_paper_preset_and_in_settings_stored_before_it():
+    from lethe.heads.t3.guide import PRESETS, TiltSettings
+
+    assert TiltSettings().whole_words and not PRESETS["paper"].whole_words
+    assert not TiltSettings.from_dict({"T": 2.0, "word_guard": True}).whole_words
+    assert TiltSettings.from_dict(TiltSettings().as_dict()).whole_words
+    with pytest.raises(ValueError, match="whole_words: must be true or false"):
+        TiltSettings.from_dict({"whole_words": 1})
+
+
 @pytest.mark.parametrize("probe,bias", [(True, False), (False, True)])
 @pytest.mark.parametrize("batch", [1, 6, 12])
 def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):

@@ -94,6 +94,9 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--word-guard", action=argparse.BooleanOptionalAction, default=None,
                    help="forget-like contexts: where the head flags the likeliest token and it starts a word, no "
                         "token that would continue the current word instead")
+    p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
+                   help="forget-like contexts: where the tilt turns the likeliest word away, no word start the base "
+                        "model would go on spelling (a one-token lookahead)")
     p.add_argument("--abstain", help="reply with this text (e.g. \"I don't know.\") when the head's probe calls the "
                                      "prompt forget-like")
     p.add_argument("--abstain-above", type=float, help="the probe's P(forget | prompt) above which --abstain replies")
@@ -104,7 +107,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
 
 
 _PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "sticky_gate", "head_gate", "flagged_mass", "candidates",
-                  "cap", "no_cap", "min_p", "repeat_guard", "word_guard", "abstain", "abstain_above", "adapter_above", "asu"]
+                  "cap", "no_cap", "min_p", "repeat_guard", "word_guard", "whole_words", "abstain", "abstain_above", "adapter_above",
+                  "asu"]
 
 
 def _profile(args, lm):

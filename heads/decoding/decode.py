@@ -26,6 +26,7 @@ from lethe.heads.io import crash_after_tokens, crash_point
 from lethe.heads.decoding.repeats import AnswerNgrams, ban_repeats, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 from lethe.heads.t3.guide import whole_vocabulary
+from lethe.heads.t3.tilt import keep_whole_words, word_ends
 from lethe.heads.t3.pooling import Pool
 
 
@@ -132,6 +133,20 @@ class TorchRows:
         self.positions = self.positions + 1
         self.last_hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
         return self.last_hidden
+
+    def peek(self, row: int, tokens: torch.Tensor) -> torch.Tensor | None:
+        """(k, V) next-token logits after each of `tokens` (k,) fed to row `row` alone, the batch's cache left as it
+        was (a lookahead: `heads.t3.tilt.keep_whole_words`); None where the cache is not a plain growing one."""
+        if not self.can_merge():
+            return None
+        k = len(tokens)
+        cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys[row:row + 1].expand(k, -1, -1, -1),
+                         layer.values[row:row + 1].expand(k, -1, -1, -1), i)
+        mask = torch.cat([self.attention_mask[row:row + 1], self.attention_mask.new_ones(1, 1)], 1).expand(k, -1)
+        hidden = decode_one_token(self.model, tokens, mask, (self.positions[row] + 1).expand(k), cache)
+        return next_logits(self.model, hidden)
 
     def can_merge(self) -> bool:
         """Whether rows can join: every cache layer is a plain growing one."""
@@ -246,6 +261,7 @@ class Batch:
         self._min_tokens = any(p.min_new_tokens for p in params)
         self._logging = any(p.logprobs is not None for p in params)
         self._crash_at = crash_after_tokens()
+        self._joins_of: tuple[torch.Tensor, torch.Tensor] | None = None  # `_joins`
         for row in self.rows:
             if row.params.max_new_tokens == 0:  # the prompt alone: finished before its first step
                 row.finish_reason = "length"
@@ -302,12 +318,15 @@ class Batch:
         entry = self._head_of(i)
         return getattr(entry[0], "window", 0) if entry is not None else 0
 
-    def _adapters(self):
+    def _adapters(self, rows: list[int] | None = None):
+        """The rows' adapters for a forward pass; `rows`: the batch's rows a pass feeds, in order (a lookahead feeds
+        one row's candidates: that row, repeated; default: every row)."""
         if self.adapters is None or self._llama:  # no per-row adapters (the common case), or llama.cpp's rows,
             return nullcontext()  # which keep their own
         from lethe.heads.asu.weights import adapters
 
-        return adapters(self.model, self.adapters, [r.gate_latched for r in self.rows])
+        rows = range(len(self.rows)) if rows is None else rows
+        return adapters(self.model, [self.adapters[i] for i in rows], [self.rows[i].gate_latched for i in rows])
 
     @property
     def done(self) -> bool:
@@ -421,7 +440,7 @@ class Batch:
                         rows[i] = None
             self.guide = self.guide.replaced(rows)
             scores = self.guide(logits, pooled)
-        return self._force_replies(self._guard_repeats(scores), pooled)
+        return self._force_replies(self._complete_words(self._guard_repeats(scores), logits, pooled), pooled)
 
     def _guard_repeats(self, scores: torch.Tensor) -> torch.Tensor:
         """Where the guide (or a row's own guard) asks for it, no word that repeats a word n-gram of the row's answer
@@ -440,6 +459,37 @@ class Batch:
                         row.ngrams = AnswerNgrams(classes, n)
                     ban_repeats(scores[i], row.token_ids, n, classes, row.ngrams)
         return scores
+
+    def _complete_words(self, scores: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """Where the guide's scores turned away a flagged word start (`TiltSettings.whole_words`), the unflagged
+        word starts the base model would go on spelling are dropped (`heads.t3.tilt.keep_whole_words`): one
+        lookahead of the row's candidate starts (`peek`), on the base weights. Rows with an ASU adapter keep their
+        scores. In place."""
+        turned = getattr(self.guide, "turned_words", None)
+        if turned is None:
+            return scores
+        joins, goes_on = self._joins(scores.size(-1), scores.device)
+        for i, starts, flagged, cap in turned(logits, scores, pooled, joins):
+            if self.rows[i].finish_reason is not None or self.rows[i].adapter is not None or len(starts) < 2:
+                continue
+            with self._adapters([i] * len(starts)):
+                ahead = self.runner.peek(i, starts)
+            if ahead is not None:
+                keep_whole_words(scores[i], starts, word_ends(ahead, goes_on[: ahead.size(-1)]), flagged, cap)
+        return scores
+
+    def _joins(self, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (vocab,) masks: the tokens that continue a word (`WordClasses.joins`), and those a word spelled so far
+        goes on with (these, and the pieces of a character, `WordClasses.partial`: a start spelled in bytes). The
+        model's ids past the tokenizer's are in both (no word starts there). Built once per batch."""
+        cached = self._joins_of
+        if cached is None or cached[0].size(0) != vocab or cached[0].device != torch.device(device):
+            classes = word_classes(self.tokenizer)
+            cached = self._joins_of = tuple(torch.ones(vocab, dtype=torch.bool, device=device) for _ in range(2))
+            n = min(vocab, len(classes.joins))
+            cached[0][:n] = classes.joins[:n].to(device)
+            cached[1][:n] = (classes.joins | classes.partial)[:n].to(device)
+        return cached
 
     def _force_replies(self, scores: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Rows the guide answers with a fixed reply (abstention) decode exactly that text, token by token. The

@@ -122,6 +122,11 @@ class LlamaCppModel:
                 self.L.llama_memory_seq_rm(self.memory, s, -1, -1)
             self.free = sorted(self.free + seqs)  # the lowest first: rows taken together are in order
 
+    def drop_from(self, seq: int, position: int) -> None:
+        """Remove sequence `seq`'s tokens from `position` on (a lookahead's token: `LlamaRows.peek`)."""
+        with self.lock:
+            self.L.llama_memory_seq_rm(self.memory, seq, position, -1)
+
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Load a LoRA GGUF file (`heads.asu.gguf.write_lora_gguf`) as adapter `name`; the file may go once this
         returns (llama.cpp keeps its tensors)."""
@@ -268,6 +273,19 @@ class LlamaRows:
                     [(tokens[i], self.positions[i], self.seqs[i]) for i in rows], adapter=adapter)
         self.positions = [p + 1 for p in self.positions]
         return hidden
+
+    def peek(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
+        """(k, V) next-token logits after each of `tokens` (k,) fed to row `row` alone (a lookahead:
+        `heads.t3.tilt.keep_whole_words`): each decoded at the row's next position in the row's own sequence, with
+        its adapter, and removed from it at once, so the row's cache holds what it held before."""
+        seq, position, adapter = self.seqs[row], self.positions[row], self.adapters[row]
+        out = torch.empty(len(tokens), self.model.vocab_size)
+        for j, token in enumerate(tokens.tolist()):
+            try:
+                out[j] = self.model.decode([(token, position, seq)], adapter=adapter)[0][0]
+            finally:
+                self.model.drop_from(seq, position)
+        return out
 
     def merge(self, other: "LlamaRows") -> None:
         self.seqs, other.seqs = self.seqs + other.seqs, []  # its sequences are this batch's now

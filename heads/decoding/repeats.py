@@ -42,6 +42,9 @@ class WordClasses:
     # per token id: True where the token continues the word before it (its text starts with a letter or digit, no
     # space or word-start mark before it): what the word guard (`heads.t3.tilt.guard_words`) reads
     joins: torch.Tensor | None = None
+    # per token id: True where the token is part of a character (its text alone is not one: a byte of "Р"), which a
+    # word start spelled in bytes goes on with (what the whole-words lookahead counts as going on spelling)
+    partial: torch.Tensor | None = None
 
     def words(self, token_ids: list[int]) -> list[int]:
         """The answer's words, in order (tokens past the tokenizer and word-less tokens skipped)."""
@@ -79,7 +82,8 @@ def word_classes(tokenizer) -> WordClasses:
     joins = torch.tensor([bool(text) and text[0].isalnum() and t not in special and
                           not (isinstance(piece, str) and piece.startswith(_WORD_START))
                           for t, (text, piece) in enumerate(zip(texts, pieces))])
-    classes = WordClasses(of_token, tokens_of, symbols, joins)
+    partial = torch.tensor(["\ufffd" in text and t not in special for t, text in enumerate(texts)])
+    classes = WordClasses(of_token, tokens_of, symbols, joins, partial)
     _cache[tokenizer] = classes
     return classes
 

@@ -28,7 +28,8 @@ MAX_REPLY = 500
 
 # what settings stored without a key served with: a profile version or a head's recommendation written before the
 # setting existed serves as it did then (the new default applies to heads trained and profiles written since)
-STORED_BEFORE = {"word_guard": False}
+STORED_BEFORE = {"word_guard": False, "whole_words": False}
+MAX_LOOKAHEAD = 32  # the most word starts `whole_words` looks one token past (the best), at one step
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class TiltSettings:
     # forget-like rows: where the head flags the base model's likeliest token and it starts a word, no candidate that
     # continues the current word instead (`heads.t3.tilt.guard_words`; the decode loop hands the tokenizer's words in)
     word_guard: bool = True
+    # forget-like rows: where the tilt or a guard turns away the base model's likeliest token, a word start, no
+    # unflagged word start that the base model would go on spelling, where one it would end is left
+    # (`heads.t3.tilt.keep_whole_words`; the decode loop looks one token ahead, for rows on the base weights)
+    whole_words: bool = True
     # the gate also opens (fully) at a step whose base-likeliest token the head scores below -head_gate (forget
     # e^head_gate times likelier than retain there): the probe reads the context, which earlier turns can make look
     # retain-like, while the head still flags the fact itself; with sticky_gate it stays open. 0 = off
@@ -86,7 +91,7 @@ class TiltSettings:
                 raise ValueError(f"{name}: must be a number, got {value!r}")
         if isinstance(merged["candidates"], bool) or not isinstance(merged["candidates"], int):
             raise ValueError(f"candidates: must be an integer, got {merged['candidates']!r}")
-        for name in ("gate", "sticky_gate", "word_guard"):
+        for name in ("gate", "sticky_gate", "word_guard", "whole_words"):
             if not isinstance(merged[name], bool):
                 raise ValueError(f"{name}: must be true or false, got {merged[name]!r}")
         out = TiltSettings(**merged)
@@ -131,7 +136,7 @@ class TiltSettings:
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
     "paper": TiltSettings(T=2.5, lam=1.0, gate=False, sticky_gate=False, candidates=0, cap=None, min_p=0.0,
-                          repeat_guard=0, word_guard=False, abstain=None),
+                          repeat_guard=0, word_guard=False, whole_words=False, abstain=None),
     "default": TiltSettings(),
 }
 
@@ -274,6 +279,28 @@ class HeadGuide:
         """Per token id, whether it continues a word (`heads.decoding.repeats.WordClasses.joins`): the word guard
         acts from the next call on."""
         self.words, self._groups = words, None
+
+    def turned_words(self, logits: torch.Tensor, scores: torch.Tensor, pooled: torch.Tensor,
+                     joins: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor, float | None]]:
+        """After a call, with its (B, V) `scores` (and the guards after it): the rows with `whole_words` whose
+        scores turned away the base model's likeliest token (the head flags it, the tilt prefers a retain-like
+        token, or a guard bans it) where that token starts a word (not `joins`, (V,)). For each: (row, its unflagged
+        word starts with a score, best first, at most MAX_LOOKAHEAD; every token with a score that the head flags
+        (z < 0); its cap)."""
+        out = []
+        top, best = logits.argmax(-1), scores.argmax(-1)
+        for i in (top != best).nonzero()[:, 0].tolist():
+            entry = self.row(i)
+            if entry is None or not entry[1].whole_words or bool(joins[top[i]]):
+                continue
+            head, settings = entry
+            ids = torch.isfinite(scores[i]).nonzero()[:, 0]
+            device = head.up.weight.device
+            z = head.logits_at(pooled[i:i + 1].to(device), ids[None].to(device))[0].to(ids.device)
+            starts = ids[(z >= 0) & ~joins[ids]]
+            starts = starts[scores[i, starts].argsort(descending=True)[:MAX_LOOKAHEAD]]
+            out.append((i, starts, ids[z < 0], settings.cap))
+        return out
 
     def row(self, i: int) -> tuple[T3Head, TiltSettings] | None:
         """Row i's head and settings (None: no head)."""

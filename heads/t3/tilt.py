@@ -28,6 +28,12 @@ Lethe adds three optional refinements, each a plain tensor operation:
   flagged word away, and the best other candidate must not be a piece glued onto
   the word before it (the "Dredrou" + "g" + "p" + "binary" a small model's
   tilted answer spelled).
+* whole words (applied by the decode loop, which can look one token ahead): where
+  the tilt (or a guard) turns away the base model's likeliest token, a word start,
+  the unflagged word starts that the base model would go on
+  spelling (its next token continues the word, with probability above one half)
+  are dropped, where one it would end there is left ("Br" + "atisl" + "ál" for
+  "Budapest": a start the small model can only finish with letters of its own).
 * repeat guard (`heads.decoding.repeats`, applied by the decode loop, which
   has the tokenizer): in a forget-like context, no word that would repeat a word
   n-gram of the answer so far (the loops and restated titles a tilted small
@@ -177,3 +183,26 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     limit = (best_free - cap).nan_to_num(nan=inf, posinf=inf, neginf=inf)
     return torch.where(flagged, torch.minimum(scores, limit), scores)
 
+
+
+def word_ends(next_logits: torch.Tensor, joins: torch.Tensor) -> torch.Tensor:
+    """(k, V) next-token logits after each of k word starts, and (V,) which tokens continue a word -> (k,): the base
+    model's probability that the word ends there (its next token does not continue it)."""
+    return (torch.softmax(next_logits.float(), dim=-1) * ~joins).sum(-1)
+
+
+def keep_whole_words(scores: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, flagged: torch.Tensor,
+                     cap: float | None, least: float = 0.5) -> torch.Tensor:
+    """One row's (V,) scores with the word starts `starts` ((k,) ids, unflagged) whose word ends with probability
+    below `least` (`ends`, (k,)) dropped, where one that ends is left (else the scores are kept); the tokens the head
+    flags (`flagged`: every id with a score and z < 0) are then held under the best unflagged token left minus `cap`
+    again (None: not), since the one the cap held them under may have been dropped. In place; returns `scores`."""
+    ending = ends >= least
+    if not bool(ending.any()) or bool(ending.all()):
+        return scores
+    scores[starts[~ending]] = float("-inf")
+    if cap is not None and len(flagged):
+        free = torch.isfinite(scores)
+        free[flagged] = False
+        scores[flagged] = torch.minimum(scores[flagged], scores[free].max() - cap)
+    return scores

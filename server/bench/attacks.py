@@ -443,7 +443,7 @@ class AttackBench:
             out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab)
             if label == "greedy" and name == "forget":
                 out["examples"] = [_example(r, b, p) for r, b, p in pairs[:2]]
-            out[f"{name}_misses"] = _misses(name, pairs)
+            out[f"{name}_misses"] = _misses(name, pairs, vocab)
         out["prompt_tokens"] = round(statistics.fmean(tokens), 1) if tokens else None
         f, r = out["forget"], out["retain"]
         self.log(f"{label} {ctx.name}: forget hits {f['hits_base']} -> {f['hits_profile']} (of {f['n']}), retain "
@@ -541,11 +541,12 @@ def _example(item: dict, base: tuple[str, int], profile: tuple[str, int]) -> dic
     return {"question": item["question"], "gold": item["gold"], "base": base[0], "profile": profile[0]}
 
 
-def _misses(name: str, pairs: list[tuple]) -> list[dict]:
-    """The first answers of one set that fail a bar: forget answers with the gold or a loop, retain answers that
-    differ from the base model's."""
+def _misses(name: str, pairs: list[tuple], vocab) -> list[dict]:
+    """The first answers of one set that fail a bar: forget answers with the gold, a loop or a word not in `vocab`
+    (a non-word), retain answers that differ from the base model's."""
     if name == "forget":
-        bad = [(r, b, p) for r, b, p in pairs if hit(p[0], r["gold"]) or has_loop(p[0])]
+        bad = [(r, b, p) for r, b, p in pairs
+               if hit(p[0], r["gold"]) or has_loop(p[0]) or any(w not in vocab for w in words(p[0]))]
     else:
         bad = [(r, b, p) for r, b, p in pairs if b[0] != p[0]]
     return [_example(*t) for t in bad[:MISSES]]
