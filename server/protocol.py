@@ -101,8 +101,8 @@ class ProfileSpec(Strict):
                                                             "model's likeliest token and it starts a word, no token "
                                                             "that would continue the current word instead (no word "
                                                             "fragments glued onto a name).")
-    whole_words: StrictBool | None = Field(None, description="Forget-like contexts: where the tilt (or a guard) turns "
-                                                             "away the base model's likeliest token, a word start, no "
+    whole_words: StrictBool | None = Field(None, description="Forget-like contexts: where the tilt turns away the base "
+                                                             "model's likeliest token, a word start the head flags, no "
                                                              "unflagged word start the base model would go on "
                                                              "spelling, where one it would end there is left (a "
                                                              "one-token lookahead; rows on the base weights).")

@@ -214,11 +214,11 @@ def test_a_lookahead_gives_the_logits_feeding_the_token_would_and_leaves_the_bat
     params = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 3
     batch = Batch(model, tok, prompts, params)
     batch.step()
-    tokens = torch.tensor([5, 17, 29])
+    rows, tokens = [2, 0, 2, 1], torch.tensor([5, 17, 29, 17])  # row 2: the shortest prompt, left-padded
     with torch.inference_mode():
-        ahead = batch.runner.peek(1, tokens)
-    for token, got in zip(tokens.tolist(), ahead):
-        ids = tok(prompts[1], add_special_tokens=False)["input_ids"] + batch.rows[1].token_ids + [token]
+        ahead = batch.runner.peek(rows, tokens)
+    for row, token, got in zip(rows, tokens.tolist(), ahead):
+        ids = tok(prompts[row], add_special_tokens=False)["input_ids"] + batch.rows[row].token_ids + [token]
         with torch.inference_mode():
             want = model(torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -228,7 +228,7 @@ def test_a_lookahead_gives_the_logits_feeding_the_token_would_and_leaves_the_bat
         assert row.token_ids == generate(model, tok, [prompt], params[0])[0].token_ids
 
 
-def _turned_case(model, tok, prompts, joins):
+def _turned_case(model, tok, prompts, joins, goes_on):
     """Token ids (a question and the first tokens of the base model's greedy answer) after which the likeliest token
     starts a word (the head will flag it), with the other word starts among the base model's 20 likeliest next
     tokens (the first 8) and the probability that the base model ends each one's word right after it: the first
@@ -243,7 +243,7 @@ def _turned_case(model, tok, prompts, joins):
             if not joins[order[0]] and starts:
                 with torch.inference_mode():
                     nxt = model(torch.tensor([ids + [t] for t in starts])).logits[:, -1].float().softmax(-1)
-                ends = (nxt[:, : len(joins)] * ~joins).sum(-1).tolist()
+                ends = (nxt[:, : len(joins)] * ~goes_on).sum(-1).tolist()
                 if ends[0] < 0.5 and max(ends) >= 0.5:
                     return ids, order[0], starts, ends
             ids = ids + [order[0]]
@@ -263,7 +263,7 @@ def test_whole_words_replaces_a_flagged_word_with_a_start_the_model_ends_as_a_wo
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     joins = word_classes(tok).joins
     prompts = [question_prompt(r["question"]) for r in tiny_records[::7]]
-    prompt, top, starts, ends = _turned_case(model, tok, prompts, joins)
+    prompt, top, starts, ends = _turned_case(model, tok, prompts, joins, joins | word_classes(tok).partial)
     head = T3Head(model.config.hidden_size, model.config.vocab_size, 4).eval().requires_grad_(False)
     probe = Batch(model, tok, [prompt], [SamplingParams(max_new_tokens=1, temperature=0.0)])
     u = head.down(probe.pooled())[0]

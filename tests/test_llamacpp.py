@@ -382,7 +382,7 @@ def test_a_lookahead_on_llama_cpp_gives_the_logits_feeding_would_and_leaves_the_
     batch = Batch(llama, tok, prompts, params)
     batch.step()
     tokens = torch.tensor(tok(" Paris Lyon the", add_special_tokens=False)["input_ids"])
-    ahead = batch.runner.peek(1, tokens)
+    ahead = batch.runner.peek([1] * len(tokens), tokens)
     for token, got in zip(tokens.tolist(), ahead):
         fed = Batch(llama, tok, prompts[1:], params[1:])
         fed.step()

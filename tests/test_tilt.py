@@ -149,26 +149,33 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
 
 def test_whole_words_drops_the_starts_the_model_would_go_on_spelling_and_holds_the_flagged_under_what_is_left():
     """Budapest flagged and turned away: " Br" (the base model's next best start, which it can only finish with
-    letters of its own: "atisl" + "ál") is dropped for " the", whose word ends there; the flagged token, which the
-    cap had held under " Br", is held under " the" now. Where no start ends, or every one does, nothing changes."""
+    letters of its own: "atisl" + "ál") is dropped for " the", whose word ends there, and so is a start no lookahead
+    reached; the flagged token keeps the probability it had (no more: a sampled answer is no likelier to give it) and
+    stays under " the" minus the cap. Where no start ends, nothing changes; with the cap off, nothing changes where
+    the flagged token would then come first."""
     from lethe.heads.t3.tilt import keep_whole_words, word_ends
 
-    joins = torch.tensor([False, False, False, True, True, False])  # 3, 4: pieces continuing a word; 5: "."
-    flagged, br, the, punct = 0, 1, 2, 5
-    scores = torch.tensor([3.5, 4.0, 3.0, float("-inf"), float("-inf"), 2.0])
-    nxt = torch.full((2, 6), -9.0)
+    joins = torch.tensor([False, False, False, True, True, False, False])  # 3, 4: pieces continuing a word; 5: "."
+    flagged, br, the, punct, unseen = 0, 1, 2, 5, 6
+    scores = torch.tensor([3.5, 4.0, 3.0, float("-inf"), float("-inf"), 2.0, 1.0])
+    nxt = torch.full((2, 7), -9.0)
     nxt[0, 3] = 5.0  # after " Br": a piece that continues the word, almost surely
     nxt[1, punct] = 5.0  # after " the": the word ends
     ends = word_ends(nxt, joins)
     assert ends[0] < 0.01 and ends[1] > 0.99
-    out = keep_whole_words(scores.clone(), torch.tensor([br, the]), ends, torch.tensor([flagged]), 0.5)
-    assert out[br] == float("-inf") and out[the] == 3.0 and out[punct] == 2.0
-    assert out[flagged] == 2.5 and int(out.argmax()) == the  # the best unflagged left (" the") minus the cap
-    uncapped = keep_whole_words(scores.clone(), torch.tensor([br, the]), ends, torch.tensor([flagged]), None)
-    assert uncapped[flagged] == 3.5 and uncapped[br] == float("-inf")
-    for same in (torch.tensor([0.2, 0.3]), torch.tensor([0.6, 0.9])):  # no start ends, or every one does
-        assert torch.equal(keep_whole_words(scores.clone(), torch.tensor([br, the]), same, torch.tensor([flagged]),
-                                            0.5), scores)
+    starts, f = torch.tensor([br, the, unseen]), torch.tensor([flagged])  # `unseen`: past the lookahead
+    out = keep_whole_words(scores.clone(), starts, ends, f, 0.5)
+    assert out[br] == float("-inf") and out[unseen] == float("-inf") and out[the] == 3.0 and out[punct] == 2.0
+    assert int(out.argmax()) == the and out[flagged] <= 3.0 - 0.5
+    torch.testing.assert_close(out.softmax(0)[flagged], scores.softmax(0)[flagged])  # its probability, not more
+    uncapped = keep_whole_words(scores.clone(), starts, ends, f, None)
+    assert uncapped[br] == float("-inf") and int(uncapped.argmax()) == the
+    torch.testing.assert_close(uncapped.softmax(0)[flagged], scores.softmax(0)[flagged])
+    leading = scores.clone()
+    leading[flagged] = 4.5  # ahead of " the" even after losing the dropped share: with the cap off, kept as it was
+    assert torch.equal(keep_whole_words(leading.clone(), starts, ends, f, None), leading)
+    assert int(keep_whole_words(leading.clone(), starts, ends, f, 0.5).argmax()) == the
+    assert torch.equal(keep_whole_words(scores.clone(), starts, torch.tensor([0.2, 0.3]), f, 0.5), scores)
 
 
 def test_whole_words_is_a_boolean_setting_off_in_the_paper_preset_and_in_settings_stored_before_it():

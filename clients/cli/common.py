@@ -95,7 +95,7 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="forget-like contexts: where the head flags the likeliest token and it starts a word, no "
                         "token that would continue the current word instead")
     p.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
-                   help="forget-like contexts: where the tilt turns the likeliest word away, no word start the base "
+                   help="forget-like contexts: where the tilt turns a flagged word away, no word start the base "
                         "model would go on spelling (a one-token lookahead)")
     p.add_argument("--abstain", help="reply with this text (e.g. \"I don't know.\") when the head's probe calls the "
                                      "prompt forget-like")

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--word-guard", action=argparse.BooleanOptionalAction, default=None,
                    help="no token that would continue the current word where the head flags the next word")
     q.add_argument("--whole-words", action=argparse.BooleanOptionalAction, default=None,
-                   help="where the tilt turns the likeliest word away, no word start the base model would go on spelling")
+                   help="where the tilt turns a flagged word away, no word start the base model would go on spelling")
     q.add_argument("--abstain")
     q.add_argument("--abstain-above", type=float)
     q.add_argument("--adapter-above", type=float,

@@ -25,7 +25,7 @@ from lethe.heads.decoding.logprobs import TokenLogprob, prompt_logprobs, token_l
 from lethe.heads.io import crash_after_tokens, crash_point
 from lethe.heads.decoding.repeats import AnswerNgrams, ban_repeats, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
-from lethe.heads.t3.guide import whole_vocabulary
+from lethe.heads.t3.guide import MAX_LOOKAHEAD, whole_vocabulary
 from lethe.heads.t3.tilt import keep_whole_words, word_ends
 from lethe.heads.t3.pooling import Pool
 
@@ -105,6 +105,11 @@ def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.T
     return forward_last_hidden(model, tokens[:, None], attention_mask, positions[:, None], cache)[:, 0]
 
 
+LOOKAHEAD_BYTES = 256 << 20  # the most the whole-words lookahead copies of rows' caches at once
+LOOKAHEAD_CHUNK = 4  # the word starts of a row one lookahead pass reads (the best first)
+WHOLE_WORD = 0.5  # a start whose word the base model ends at the next token with at least this probability
+
+
 class TorchRows:
     """The model side of a batch on a transformers model: the KV cache, attention mask and positions of the rows,
     and their last hidden states (the next-token logits come from these). Built by prefilling the prompts;
@@ -134,19 +139,23 @@ class TorchRows:
         self.last_hidden = decode_one_token(self.model, tokens, self.attention_mask, self.positions, self.cache)
         return self.last_hidden
 
-    def peek(self, row: int, tokens: torch.Tensor) -> torch.Tensor | None:
-        """(k, V) next-token logits after each of `tokens` (k,) fed to row `row` alone, the batch's cache left as it
-        was (a lookahead: `heads.t3.tilt.keep_whole_words`); None where the cache is not a plain growing one."""
+    def row_bytes(self) -> int:
+        """The size of one row's cache (what a lookahead copies per token it looks at)."""
+        return sum((layer.keys[:1].numel() + layer.values[:1].numel()) * layer.keys.element_size()
+                   for layer in self.cache.layers if getattr(layer, "keys", None) is not None)
+
+    def peek(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor | None:
+        """(n, V) next-token logits after each of `tokens` (n,) fed to its row of `rows` alone, the batch's cache left
+        as it was (a lookahead: `heads.t3.tilt.keep_whole_words`); None where the cache is not a plain growing one."""
         if not self.can_merge():
             return None
-        k = len(tokens)
+        idx = torch.tensor(rows, device=self.attention_mask.device)
         cache = DynamicCache(config=self.model.config)
         for i, layer in enumerate(self.cache.layers):
-            cache.update(layer.keys[row:row + 1].expand(k, -1, -1, -1),
-                         layer.values[row:row + 1].expand(k, -1, -1, -1), i)
-        mask = torch.cat([self.attention_mask[row:row + 1], self.attention_mask.new_ones(1, 1)], 1).expand(k, -1)
-        hidden = decode_one_token(self.model, tokens, mask, (self.positions[row] + 1).expand(k), cache)
-        return next_logits(self.model, hidden)
+            cache.update(layer.keys[idx], layer.values[idx], i)
+        mask = self.attention_mask[idx]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+        return next_logits(self.model, decode_one_token(self.model, tokens, mask, self.positions[idx] + 1, cache))
 
     def can_merge(self) -> bool:
         """Whether rows can join: every cache layer is a plain growing one."""
@@ -461,22 +470,58 @@ class Batch:
         return scores
 
     def _complete_words(self, scores: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """Where the guide's scores turned away a flagged word start (`TiltSettings.whole_words`), the unflagged
-        word starts the base model would go on spelling are dropped (`heads.t3.tilt.keep_whole_words`): one
-        lookahead of the row's candidate starts (`peek`), on the base weights. Rows with an ASU adapter keep their
-        scores. In place."""
-        turned = getattr(self.guide, "turned_words", None)
-        if turned is None:
+        """Where the guide's scores turned away the base model's likeliest word, which the head flags
+        (`TiltSettings.whole_words`), the unflagged word starts the base model would go on spelling are dropped
+        (`heads.t3.tilt.keep_whole_words`). The lookahead (`peek`, on the rows' weights) reads each row's starts
+        best first, LOOKAHEAD_CHUNK at a time, every turned row in one pass, until one of a row's starts ends its
+        word (at most MAX_LOOKAHEAD). Rows with an ASU adapter or a forced reply keep their scores; a row whose
+        lookahead raises fails alone. In place."""
+        looks = getattr(self.guide, "looks_ahead", None)
+        if looks is None or not looks():
             return scores
         joins, goes_on = self._joins(scores.size(-1), scores.device)
-        for i, starts, flagged, cap in turned(logits, scores, pooled, joins):
-            if self.rows[i].finish_reason is not None or self.rows[i].adapter is not None or len(starts) < 2:
-                continue
-            with self._adapters([i] * len(starts)):
-                ahead = self.runner.peek(i, starts)
-            if ahead is not None:
-                keep_whole_words(scores[i], starts, word_ends(ahead, goes_on[: ahead.size(-1)]), flagged, cap)
+        eligible = [r.finish_reason is None and r.adapter is None and not r.forced for r in self.rows]
+        found = self.guide.turned_words(logits, scores, pooled, joins, eligible)
+        turned = {i: (starts[:MAX_LOOKAHEAD], []) for i, starts, _, _ in found if len(starts) > 1}
+        while pending := [i for i, (starts, ends) in turned.items()
+                          if len(ends) < len(starts) and not any(e >= WHOLE_WORD for e in ends)]:
+            items = [(i, t) for i in pending for t in turned[i][0][len(turned[i][1]):][:LOOKAHEAD_CHUNK].tolist()]
+            for (i, _), ahead in zip(items, self._look_ahead(items)):
+                if ahead is None:  # the runner cannot look ahead, or the row failed
+                    turned.pop(i, None)
+                elif i in turned:
+                    turned[i][1].append(float(word_ends(ahead[None], goes_on[: ahead.size(-1)])[0]))
+        for i, starts, flagged, cap in found:
+            if i in turned and self.rows[i].finish_reason is None:
+                keep_whole_words(scores[i], starts, torch.tensor(turned[i][1]), flagged, cap, WHOLE_WORD)
         return scores
+
+    def _look_ahead(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        """The next-token logits after each (row, token) of `items`, in passes whose copies of the rows' caches stay
+        within LOOKAHEAD_BYTES; None for the items of a row that failed (a pass that raises is run again row by
+        row, and a row that still raises fails) or of a runner that cannot look ahead."""
+        per = getattr(self.runner, "row_bytes", lambda: 0)()
+        piece = max(1, min(len(items), LOOKAHEAD_BYTES // per)) if per else len(items)
+        out: list[torch.Tensor | None] = []
+        for k in range(0, len(items), piece):
+            part = items[k:k + piece]
+            try:
+                out += self._peek(part)
+            except Exception:
+                for i in dict.fromkeys(i for i, _ in part):
+                    mine = [item for item in part if item[0] == i]
+                    try:
+                        out += self._peek(mine)
+                    except Exception as e:
+                        self.fail(i, e)
+                        out += [None] * len(mine)
+        return out
+
+    def _peek(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        rows = [i for i, _ in items]
+        with self._adapters(rows):
+            ahead = self.runner.peek(rows, torch.tensor([t for _, t in items], device=self.temperature.device))
+        return [None] * len(items) if ahead is None else list(ahead)
 
     def _joins(self, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Two (vocab,) masks: the tokens that continue a word (`WordClasses.joins`), and those a word spelled so far

@@ -125,7 +125,9 @@ class LlamaCppModel:
     def drop_from(self, seq: int, position: int) -> None:
         """Remove sequence `seq`'s tokens from `position` on (a lookahead's token: `LlamaRows.peek`)."""
         with self.lock:
-            self.L.llama_memory_seq_rm(self.memory, seq, position, -1)
+            if not self.L.llama_memory_seq_rm(self.memory, seq, position, -1):
+                raise LlamaCppError(f"llama.cpp could not remove sequence {seq}'s tokens from position {position} "
+                                    "(a model whose memory keeps no positions, such as a recurrent one)")
 
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Load a LoRA GGUF file (`heads.asu.gguf.write_lora_gguf`) as adapter `name`; the file may go once this
@@ -274,15 +276,15 @@ class LlamaRows:
         self.positions = [p + 1 for p in self.positions]
         return hidden
 
-    def peek(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
-        """(k, V) next-token logits after each of `tokens` (k,) fed to row `row` alone (a lookahead:
-        `heads.t3.tilt.keep_whole_words`): each decoded at the row's next position in the row's own sequence, with
-        its adapter, and removed from it at once, so the row's cache holds what it held before."""
-        seq, position, adapter = self.seqs[row], self.positions[row], self.adapters[row]
+    def peek(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """(n, V) next-token logits after each of `tokens` (n,) fed to its row of `rows` alone (a lookahead:
+        `heads.t3.tilt.keep_whole_words`): each decoded at its row's next position in the row's own sequence, with
+        its adapter, and removed from it at once, so every row's cache holds what it held before."""
         out = torch.empty(len(tokens), self.model.vocab_size)
-        for j, token in enumerate(tokens.tolist()):
+        for j, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            seq, position = self.seqs[row], self.positions[row]
             try:
-                out[j] = self.model.decode([(token, position, seq)], adapter=adapter)[0][0]
+                out[j] = self.model.decode([(token, position, seq)], adapter=self.adapters[row])[0][0]
             finally:
                 self.model.drop_from(seq, position)
         return out

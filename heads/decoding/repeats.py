@@ -42,8 +42,9 @@ class WordClasses:
     # per token id: True where the token continues the word before it (its text starts with a letter or digit, no
     # space or word-start mark before it): what the word guard (`heads.t3.tilt.guard_words`) reads
     joins: torch.Tensor | None = None
-    # per token id: True where the token is part of a character (its text alone is not one: a byte of "Р"), which a
-    # word start spelled in bytes goes on with (what the whole-words lookahead counts as going on spelling)
+    # per token id: True where the token goes on with a character begun before it (its text starts with a byte of
+    # "Р" that is not one alone), as a word start spelled in bytes goes on (what the whole-words lookahead counts as
+    # going on spelling; " Р"'s first byte after a space starts a word instead)
     partial: torch.Tensor | None = None
 
     def words(self, token_ids: list[int]) -> list[int]:
@@ -82,7 +83,7 @@ def word_classes(tokenizer) -> WordClasses:
     joins = torch.tensor([bool(text) and text[0].isalnum() and t not in special and
                           not (isinstance(piece, str) and piece.startswith(_WORD_START))
                           for t, (text, piece) in enumerate(zip(texts, pieces))])
-    partial = torch.tensor(["\ufffd" in text and t not in special for t, text in enumerate(texts)])
+    partial = torch.tensor([text.startswith("\ufffd") and t not in special for t, text in enumerate(texts)])
     classes = WordClasses(of_token, tokens_of, symbols, joins, partial)
     _cache[tokenizer] = classes
     return classes

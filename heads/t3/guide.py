@@ -29,7 +29,7 @@ MAX_REPLY = 500
 # what settings stored without a key served with: a profile version or a head's recommendation written before the
 # setting existed serves as it did then (the new default applies to heads trained and profiles written since)
 STORED_BEFORE = {"word_guard": False, "whole_words": False}
-MAX_LOOKAHEAD = 32  # the most word starts `whole_words` looks one token past (the best), at one step
+MAX_LOOKAHEAD = 32  # the most word starts `whole_words` looks one token past (the best; the rest are dropped)
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class TiltSettings:
     # forget-like rows: where the head flags the base model's likeliest token and it starts a word, no candidate that
     # continues the current word instead (`heads.t3.tilt.guard_words`; the decode loop hands the tokenizer's words in)
     word_guard: bool = True
-    # forget-like rows: where the tilt or a guard turns away the base model's likeliest token, a word start, no
+    # forget-like rows: where the tilt turns away the base model's likeliest token, a word start the head flags, no
     # unflagged word start that the base model would go on spelling, where one it would end is left
     # (`heads.t3.tilt.keep_whole_words`; the decode loop looks one token ahead, for rows on the base weights)
     whole_words: bool = True
@@ -280,25 +280,32 @@ class HeadGuide:
         acts from the next call on."""
         self.words, self._groups = words, None
 
-    def turned_words(self, logits: torch.Tensor, scores: torch.Tensor, pooled: torch.Tensor,
-                     joins: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor, float | None]]:
-        """After a call, with its (B, V) `scores` (and the guards after it): the rows with `whole_words` whose
-        scores turned away the base model's likeliest token (the head flags it, the tilt prefers a retain-like
-        token, or a guard bans it) where that token starts a word (not `joins`, (V,)). For each: (row, its unflagged
-        word starts with a score, best first, at most MAX_LOOKAHEAD; every token with a score that the head flags
-        (z < 0); its cap)."""
+    def looks_ahead(self) -> bool:
+        """Whether a row has `whole_words` (`turned_words` has rows to find)."""
+        rows = [self.same] if self.same is not None else self.rows
+        return any(row is not None and row[1].whole_words for row in rows)
+
+    def turned_words(self, logits: torch.Tensor, scores: torch.Tensor, pooled: torch.Tensor, joins: torch.Tensor,
+                     eligible: list[bool]) -> list[tuple[int, torch.Tensor, torch.Tensor, float | None]]:
+        """After a call, with its (B, V) `scores` (and the guards after it): the `eligible` rows with `whole_words`
+        whose scores turned away the base model's likeliest token where the head flags it (z < 0) and it starts a
+        word (not `joins`, (V,)). For each: (row, its unflagged word starts with a score, best first; every token
+        with a score that the head flags; its cap)."""
         out = []
         top, best = logits.argmax(-1), scores.argmax(-1)
         for i in (top != best).nonzero()[:, 0].tolist():
             entry = self.row(i)
-            if entry is None or not entry[1].whole_words or bool(joins[top[i]]):
+            if not eligible[i] or entry is None or not entry[1].whole_words or bool(joins[top[i]]):
                 continue
             head, settings = entry
             ids = torch.isfinite(scores[i]).nonzero()[:, 0]
             device = head.up.weight.device
-            z = head.logits_at(pooled[i:i + 1].to(device), ids[None].to(device))[0].to(ids.device)
+            z = head.logits_at(pooled[i:i + 1].to(device), torch.cat([top[i:i + 1], ids])[None].to(device))[0]
+            if z[0] >= 0:  # turned away for another reason: a retain-like token preferred, a repeat banned
+                continue
+            z = z[1:].to(ids.device)
             starts = ids[(z >= 0) & ~joins[ids]]
-            starts = starts[scores[i, starts].argsort(descending=True)[:MAX_LOOKAHEAD]]
+            starts = starts[scores[i, starts].argsort(descending=True)]
             out.append((i, starts, ids[z < 0], settings.cap))
         return out
 

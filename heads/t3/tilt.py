@@ -29,7 +29,7 @@ Lethe adds three optional refinements, each a plain tensor operation:
   the word before it (the "Dredrou" + "g" + "p" + "binary" a small model's
   tilted answer spelled).
 * whole words (applied by the decode loop, which can look one token ahead): where
-  the tilt (or a guard) turns away the base model's likeliest token, a word start,
+  the tilt turns away the base model's likeliest token, a word start the head flags,
   the unflagged word starts that the base model would go on
   spelling (its next token continues the word, with probability above one half)
   are dropped, where one it would end there is left ("Br" + "atisl" + "ál" for
@@ -193,16 +193,33 @@ def word_ends(next_logits: torch.Tensor, joins: torch.Tensor) -> torch.Tensor:
 
 def keep_whole_words(scores: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, flagged: torch.Tensor,
                      cap: float | None, least: float = 0.5) -> torch.Tensor:
-    """One row's (V,) scores with the word starts `starts` ((k,) ids, unflagged) whose word ends with probability
-    below `least` (`ends`, (k,)) dropped, where one that ends is left (else the scores are kept); the tokens the head
-    flags (`flagged`: every id with a score and z < 0) are then held under the best unflagged token left minus `cap`
-    again (None: not), since the one the cap held them under may have been dropped. In place; returns `scores`."""
+    """One row's (V,) scores without the word starts that would go on spelling, where one that ends is left.
+
+    `starts` ((n,) ids, unflagged, best first): the row's word starts; `ends` ((k,), k <= n): for the first k, the
+    probability that the base model ends the word at the next token. Starts below `least`, and those past the k
+    looked at, are dropped where one of the k ends (else the scores are kept). The tokens the head flags (`flagged`:
+    every id with a score and z < 0) never gain from it: they lose the dropped starts' share of the probability (so
+    none is likelier to be sampled than before), and are held under the best unflagged token left minus `cap` again,
+    since the one the cap held them under may have gone. With the cap off (None), the scores are kept where a flagged
+    token would then score above every unflagged one. In place; returns `scores`."""
     ending = ends >= least
-    if not bool(ending.any()) or bool(ending.all()):
+    if not bool(ending.any()):
         return scores
-    scores[starts[~ending]] = float("-inf")
-    if cap is not None and len(flagged):
-        free = torch.isfinite(scores)
-        free[flagged] = False
-        scores[flagged] = torch.minimum(scores[flagged], scores[free].max() - cap)
+    dropped = torch.cat([starts[: len(ends)][~ending], starts[len(ends):]])
+    if not len(dropped):
+        return scores
+    kept = scores.clone()
+    kept[dropped] = float("-inf")
+    free_before = torch.isfinite(scores)
+    free_before[flagged] = False
+    free = free_before & torch.isfinite(kept)
+    best_free = kept[free].max()
+    if len(flagged):
+        # scaled as the unflagged tokens' mass shrank: each flagged token keeps the probability it had
+        kept[flagged] += torch.logsumexp(kept[free], 0) - torch.logsumexp(scores[free_before], 0)
+        if cap is not None:
+            kept[flagged] = torch.minimum(kept[flagged], best_free - cap)
+        elif bool((kept[flagged] > best_free).any()):
+            return scores
+    scores.copy_(kept)
     return scores
