@@ -106,7 +106,6 @@ def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.T
 
 
 LOOKAHEAD_BYTES = 256 << 20  # the most the whole-words lookahead copies of rows' caches at once
-LOOKAHEAD_CHUNK = 4  # the word starts of a row one lookahead pass reads (the best first)
 WHOLE_WORD = 0.5  # a start whose word the base model ends at the next token with at least this probability
 
 
@@ -472,28 +471,25 @@ class Batch:
     def _complete_words(self, scores: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """Where the guide's scores turned away the base model's likeliest word, which the head flags
         (`TiltSettings.whole_words`), the unflagged word starts the base model would go on spelling are dropped
-        (`heads.t3.tilt.keep_whole_words`). The lookahead (`peek`, on the rows' weights) reads each row's starts
-        best first, LOOKAHEAD_CHUNK at a time, every turned row in one pass, until one of a row's starts ends its
-        word (at most MAX_LOOKAHEAD). Rows with an ASU adapter or a forced reply keep their scores; a row whose
-        lookahead raises fails alone. In place."""
+        (`heads.t3.tilt.keep_whole_words`). The lookahead (`peek`, on the rows' weights) reads each row's best
+        MAX_LOOKAHEAD starts, every turned row in one pass. Rows with an ASU adapter or a forced reply keep their
+        scores; a row whose lookahead raises fails alone. In place."""
         looks = getattr(self.guide, "looks_ahead", None)
-        if looks is None or not looks():
+        if looks is None or not looks() or not any(self.guide.flagged_tops()):
             return scores
         joins, goes_on = self._joins(scores.size(-1), scores.device)
         eligible = [r.finish_reason is None and r.adapter is None and not r.forced for r in self.rows]
-        found = self.guide.turned_words(logits, scores, pooled, joins, eligible)
-        turned = {i: (starts[:MAX_LOOKAHEAD], []) for i, starts, _, _ in found if len(starts) > 1}
-        while pending := [i for i, (starts, ends) in turned.items()
-                          if len(ends) < len(starts) and not any(e >= WHOLE_WORD for e in ends)]:
-            items = [(i, t) for i in pending for t in turned[i][0][len(turned[i][1]):][:LOOKAHEAD_CHUNK].tolist()]
-            for (i, _), ahead in zip(items, self._look_ahead(items)):
-                if ahead is None:  # the runner cannot look ahead, or the row failed
-                    turned.pop(i, None)
-                elif i in turned:
-                    turned[i][1].append(float(word_ends(ahead[None], goes_on[: ahead.size(-1)])[0]))
+        found = [t for t in self.guide.turned_words(logits, scores, pooled, joins, eligible) if len(t[1]) > 1]
+        items = [(i, t) for i, starts, _, _ in found for t in starts[:MAX_LOOKAHEAD].tolist()]
+        ends: dict[int, list[float]] = {i: [] for i, _, _, _ in found}
+        for (i, _), ahead in zip(items, self._look_ahead(items)):
+            if ahead is None:  # the runner cannot look ahead, or the row failed
+                ends.pop(i, None)
+            elif i in ends:
+                ends[i].append(float(word_ends(ahead[None], goes_on[: ahead.size(-1)])[0]))
         for i, starts, flagged, cap in found:
-            if i in turned and self.rows[i].finish_reason is None:
-                keep_whole_words(scores[i], starts, torch.tensor(turned[i][1]), flagged, cap, WHOLE_WORD)
+            if i in ends and self.rows[i].finish_reason is None:
+                keep_whole_words(scores[i], starts, torch.tensor(ends[i]), flagged, cap, WHOLE_WORD)
         return scores
 
     def _look_ahead(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:

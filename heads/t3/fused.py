@@ -76,6 +76,8 @@ class TiltKernel:
         self._out_np: np.ndarray | None = None
         self.active = np.ones(len(candidates), np.bool_)  # after a call: which rows the gate let in
         self.gate = np.ones(len(candidates), np.float32)  # after a call: each row's gate (1 where it is off)
+        # after a call: the rows tilted at this step whose likeliest token the head flags (z < 0)
+        self.flagged_top = np.zeros(len(candidates), np.bool_)
         self._no_floor = np.zeros(len(candidates), np.float32)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,7 +86,8 @@ class TiltKernel:
             self._out = torch.empty(logits.shape, dtype=torch.float32)
             self._out_np = self._out.numpy()
         _call(_array(logits), _array(pooled), *self.weights, self.probe, self.k, self.settings,
-              self._no_floor if floor is None else _array(floor), self.words, self._out_np, self.active, self.gate)
+              self._no_floor if floor is None else _array(floor), self.words, self._out_np, self.active, self.gate,
+              self.flagged_top)
         return self._out
 
 
@@ -99,7 +102,7 @@ def warm_up() -> None:
     """Compile the kernel (or load it from numba's disk cache) now, not on the first request with a head."""
     f32 = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
     _call(f32(0, 1), f32(0, 1), f32(1, 1), f32(1), f32(1, 1), f32(1), True, 1, f32(0, SETTINGS), f32(0),
-          np.zeros(0, np.bool_), f32(0, 1), np.ones(0, np.bool_), f32(0))
+          np.zeros(0, np.bool_), f32(0, 1), np.ones(0, np.bool_), f32(0), np.zeros(0, np.bool_))
 
 
 _compiled = None
@@ -130,7 +133,7 @@ def _call(*args) -> None:
 
 
 def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate_floor, words, out, active_out,
-               gate_out):  # pragma: no cover
+               gate_out, flagged_top_out):  # pragma: no cover
     B, V = logits.shape
     R, d = down.shape
     r = R - 1 if probe else R
@@ -168,6 +171,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
         active = g > 0.5
         active_out[b] = active
         gate_out[b] = g
+        flagged_top_out[b] = False
         if not active:  # the gate keeps this row out: its base logits, untouched
             for v in range(V):
                 out[b, v] = logits[b, v]
@@ -213,6 +217,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
                 for v in range(V):
                     out[b, v] = logits[b, v]
                 continue
+        flagged_top_out[b] = z[0] < 0
         # the word guard: the head flags the likeliest token, which starts a word; candidates that would continue the
         # current word instead are dropped, where an unflagged candidate is left for the cap to hold the flagged under
         if settings[b, 8] > 0 and z[0] < 0 and not words[ids[0]]:

@@ -29,7 +29,7 @@ MAX_REPLY = 500
 # what settings stored without a key served with: a profile version or a head's recommendation written before the
 # setting existed serves as it did then (the new default applies to heads trained and profiles written since)
 STORED_BEFORE = {"word_guard": False, "whole_words": False}
-MAX_LOOKAHEAD = 32  # the most word starts `whole_words` looks one token past (the best; the rest are dropped)
+MAX_LOOKAHEAD = 8  # the word starts `whole_words` looks one token past (the best; the rest are dropped)
 
 
 @dataclass(frozen=True)
@@ -285,6 +285,15 @@ class HeadGuide:
         rows = [self.same] if self.same is not None else self.rows
         return any(row is not None and row[1].whole_words for row in rows)
 
+    def flagged_tops(self) -> list[bool]:
+        """Per row, after a call: whether the gate let it in with its likeliest token flagged (`_Group`)."""
+        flags = [False] * (self._size or 0)
+        for group in self._groups or []:
+            rows = range(len(flags)) if group.rows is None else group.rows.tolist()
+            for i, flagged in zip(rows, group.last_flagged_top()):
+                flags[i] = flagged
+        return flags
+
     def turned_words(self, logits: torch.Tensor, scores: torch.Tensor, pooled: torch.Tensor, joins: torch.Tensor,
                      eligible: list[bool]) -> list[tuple[int, torch.Tensor, torch.Tensor, float | None]]:
         """After a call, with its (B, V) `scores` (and the guards after it): the `eligible` rows with `whole_words`
@@ -292,18 +301,17 @@ class HeadGuide:
         word (not `joins`, (V,)). For each: (row, its unflagged word starts with a score, best first; every token
         with a score that the head flags; its cap)."""
         out = []
-        top, best = logits.argmax(-1), scores.argmax(-1)
-        for i in (top != best).nonzero()[:, 0].tolist():
+        for i in [i for i, flagged in enumerate(self.flagged_tops()) if flagged and eligible[i]]:
             entry = self.row(i)
-            if not eligible[i] or entry is None or not entry[1].whole_words or bool(joins[top[i]]):
+            if entry is None or not entry[1].whole_words:
+                continue
+            top = int(logits[i].argmax())
+            if bool(joins[top]) or int(scores[i].argmax()) == top:
                 continue
             head, settings = entry
             ids = torch.isfinite(scores[i]).nonzero()[:, 0]
             device = head.up.weight.device
-            z = head.logits_at(pooled[i:i + 1].to(device), torch.cat([top[i:i + 1], ids])[None].to(device))[0]
-            if z[0] >= 0:  # turned away for another reason: a retain-like token preferred, a repeat banned
-                continue
-            z = z[1:].to(ids.device)
+            z = head.logits_at(pooled[i:i + 1].to(device), ids[None].to(device))[0].to(ids.device)
             starts = ids[(z >= 0) & ~joins[ids]]
             starts = starts[scores[i, starts].argsort(descending=True)]
             out.append((i, starts, ids[z < 0], settings.cap))
@@ -367,6 +375,7 @@ class _Group:
     fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # `heads.t3.fused.TiltKernel`, CPU
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
     _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
+    _flagged_top: torch.Tensor | None = None  # after a call: rows the gate let in whose likeliest token is flagged
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
@@ -449,6 +458,8 @@ class _Group:
         if self.flagged_mass is not None:  # and whether the head flags a likely token at this step
             likely = self._flagged_mass(logits, values, z) >= self.flagged_mass[:, 0]
             tilted = likely if tilted is None else tilted & likely
+        zt = z_top[:, 0] if self.head_gate is not None or self.words is not None else z[:, 0]  # ids[:, 0]: the top
+        self._flagged_top = zt < 0 if tilted is None else (zt < 0) & tilted
         return out if tilted is None else torch.where(tilted[:, None], out, logits.float())
 
     def _flagged_mass(self, logits: torch.Tensor, values: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -473,6 +484,7 @@ class _Group:
                 gate = torch.where(gate_on, opened_by_head(gate, likeliest(z, logits), head_gate), gate)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
+        self._flagged_top = likeliest(z, logits) < 0 if gate is None else (likeliest(z, logits) < 0) & self._active
         return tilt(logits, z, T, lam, gate, k, cap, min_p, mass, self.words, word_guard)
 
     def last_gate(self) -> torch.Tensor | float:
@@ -480,6 +492,13 @@ class _Group:
         if self.fused is not None:
             return torch.from_numpy(self.fused.gate)
         return 1.0 if self._gate is None else self._gate
+
+    def last_flagged_top(self) -> list[bool]:
+        """Which of this group's rows, at the last call, the gate let in with the likeliest token flagged (z < 0):
+        the rows whose scores may have turned a flagged word away."""
+        if self.fused is not None:
+            return self.fused.flagged_top.tolist()
+        return [] if self._flagged_top is None else self._flagged_top.tolist()
 
     def last_active(self) -> list[bool]:
         """Which of this group's rows the gate let in at the last call."""
