@@ -250,8 +250,8 @@ def _turned_case(model, tok, prompts, joins, goes_on):
     raise AssertionError("no greedy answer of the tiny model has a word whose next best start goes on spelling")
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_whole_words_replaces_a_flagged_word_with_a_start_the_model_ends_as_a_word(tiny_lm, tiny_records, fused):
+@pytest.mark.parametrize("path", ["fused", "candidates", "dense"])
+def test_whole_words_replaces_a_flagged_word_with_a_start_the_model_ends_as_a_word(tiny_lm, tiny_records, path):
     # a head that flags the base model's likeliest first word: the cap turns it away, and the next best start is
     # one the model would go on spelling (a fragment); with whole_words the row takes the best start whose word
     # the model ends at the next token instead, and the flagged word stays under it
@@ -274,7 +274,8 @@ def test_whole_words_replaces_a_flagged_word_with_a_start_the_model_ends_as_a_wo
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
     chosen = {}
     for on in (False, True):
-        guide = HeadGuide([(head, TiltSettings(whole_words=on, repeat_guard=0))], fused=fused)
+        settings = TiltSettings(whole_words=on, repeat_guard=0, candidates=0 if path == "dense" else 20)
+        guide = HeadGuide([(head, settings)], fused=path == "fused")
         chosen[on] = generate(model, tok, [prompt], greedy, guide)[0].token_ids[0]
     assert chosen[False] == starts[0]  # the tilt's own choice: the next best start, a fragment
     assert chosen[True] == next(t for t, e in zip(starts, ends) if e >= 0.5) and chosen[True] != top

@@ -328,7 +328,7 @@ class Batch:
 
     def _adapters(self, rows: list[int] | None = None):
         """The rows' adapters for a forward pass; `rows`: the batch's rows a pass feeds, in order (a lookahead feeds
-        one row's candidates: that row, repeated; default: every row)."""
+        each of its items' rows; default: every row)."""
         if self.adapters is None or self._llama:  # no per-row adapters (the common case), or llama.cpp's rows,
             return nullcontext()  # which keep their own
         from lethe.heads.asu.weights import adapters
@@ -514,6 +514,7 @@ class Batch:
         return out
 
     def _peek(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        """One lookahead pass over (row, token) `items`, under the rows' adapters."""
         rows = [i for i, _ in items]
         with self._adapters(rows):
             ahead = self.runner.peek(rows, torch.tensor([t for _, t in items], device=self.temperature.device))

@@ -29,7 +29,7 @@ MAX_REPLY = 500
 # what settings stored without a key served with: a profile version or a head's recommendation written before the
 # setting existed serves as it did then (the new default applies to heads trained and profiles written since)
 STORED_BEFORE = {"word_guard": False, "whole_words": False}
-MAX_LOOKAHEAD = 8  # the word starts `whole_words` looks one token past (the best; the rest are dropped)
+MAX_LOOKAHEAD = 16  # the word starts `whole_words` looks one token past (the best; the rest are dropped)
 
 
 @dataclass(frozen=True)
@@ -477,14 +477,15 @@ class _Group:
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
         T, lam, k, cap, gate_on, min_p, head_gate, mass, word_guard = self.dense
         z, gate = self.head(pooled), None
+        z_top = likeliest(z, logits)
         if gate_on is not None:
             forget_p = self.head.forget_probability(pooled)
             gate = torch.where(gate_on, forget_p if floor is None else torch.maximum(forget_p, floor), 1.0)
             if head_gate is not None:
-                gate = torch.where(gate_on, opened_by_head(gate, likeliest(z, logits), head_gate), gate)
+                gate = torch.where(gate_on, opened_by_head(gate, z_top, head_gate), gate)
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
-        self._flagged_top = likeliest(z, logits) < 0 if gate is None else (likeliest(z, logits) < 0) & self._active
+        self._flagged_top = z_top < 0 if gate is None else (z_top < 0) & self._active
         return tilt(logits, z, T, lam, gate, k, cap, min_p, mass, self.words, word_guard)
 
     def last_gate(self) -> torch.Tensor | float:
