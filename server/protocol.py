@@ -105,7 +105,8 @@ class ProfileSpec(Strict):
                                                              "model's likeliest token, a word start the head flags, no "
                                                              "unflagged word start the base model would go on "
                                                              "spelling, where one it would end there is left (a "
-                                                             "one-token lookahead; rows on the base weights).")
+                                                             "one-token lookahead, a forward pass at each such step; "
+                                                             "rows on the base weights; default off).")
     abstain: str | None = Field(None, min_length=1, max_length=MAX_REPLY,
                                 description="A reply (e.g. \"I don't know.\") given instead of an answer when the "
                                             "head's probe calls the prompt alone forget-like.")

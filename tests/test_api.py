@@ -161,9 +161,8 @@ def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["word_guard"] is True  # the default
     assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["word_guard"] is False
     assert a.put("/v1/profiles/unguarded", json={"head": head, "word_guard": False}).json()["spec"]["word_guard"] is False
-    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["whole_words"] is True  # the default
-    assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["whole_words"] is False
-    assert a.put("/v1/profiles/spelt", json={"head": head, "whole_words": False}).json()["spec"]["whole_words"] is False
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["whole_words"] is False  # the default
+    assert a.put("/v1/profiles/spelt", json={"head": head, "whole_words": True}).json()["spec"]["whole_words"] is True
     for bad, field in (({"repeat_guard": 1}, "repeat_guard"), ({"repeat_guard": 17}, "repeat_guard"),
                        ({"min_p": 1.0}, "min_p"), ({"abstain": ""}, "abstain"), ({"abstain_above": 0.3}, "abstain_above"),
                        ({"sticky_gate": 1}, "sticky_gate"), ({"flagged_mass": 1.0}, "flagged_mass"),

@@ -178,12 +178,12 @@ def test_whole_words_drops_the_starts_the_model_would_go_on_spelling_and_holds_t
     assert torch.equal(keep_whole_words(scores.clone(), starts, torch.tensor([0.2, 0.3]), f, 0.5), scores)
 
 
-def test_whole_words_is_a_boolean_setting_off_in_the_paper_preset_and_in_settings_stored_before_it():
+def test_whole_words_is_a_boolean_setting_off_unless_a_profile_asks():
     from lethe.heads.t3.guide import PRESETS, TiltSettings
 
-    assert TiltSettings().whole_words and not PRESETS["paper"].whole_words
+    assert not TiltSettings().whole_words and not PRESETS["paper"].whole_words
     assert not TiltSettings.from_dict({"T": 2.0, "word_guard": True}).whole_words
-    assert TiltSettings.from_dict(TiltSettings().as_dict()).whole_words
+    assert TiltSettings.from_dict({"whole_words": True}).whole_words
     with pytest.raises(ValueError, match="whole_words: must be true or false"):
         TiltSettings.from_dict({"whole_words": 1})
 

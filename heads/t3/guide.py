@@ -28,7 +28,7 @@ MAX_REPLY = 500
 
 # what settings stored without a key served with: a profile version or a head's recommendation written before the
 # setting existed serves as it did then (the new default applies to heads trained and profiles written since)
-STORED_BEFORE = {"word_guard": False, "whole_words": False}
+STORED_BEFORE = {"word_guard": False}
 MAX_LOOKAHEAD = 16  # the word starts `whole_words` looks one token past (the best; the rest are dropped)
 
 
@@ -49,8 +49,10 @@ class TiltSettings:
     word_guard: bool = True
     # forget-like rows: where the tilt turns away the base model's likeliest token, a word start the head flags, no
     # unflagged word start that the base model would go on spelling, where one it would end is left
-    # (`heads.t3.tilt.keep_whole_words`; the decode loop looks one token ahead, for rows on the base weights)
-    whole_words: bool = True
+    # (`heads.t3.tilt.keep_whole_words`; the decode loop looks one token ahead, for rows on the base weights). Off by
+    # default: each such step costs the batch a forward pass (the demo's decode bench: 1.5x no head; see
+    # docs/forgetting-in-context.md)
+    whole_words: bool = False
     # the gate also opens (fully) at a step whose base-likeliest token the head scores below -head_gate (forget
     # e^head_gate times likelier than retain there): the probe reads the context, which earlier turns can make look
     # retain-like, while the head still flags the fact itself; with sticky_gate it stays open. 0 = off

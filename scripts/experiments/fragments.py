@@ -5,7 +5,7 @@ trained as the head job trains it (saved to HEAD and reused on the next run), fo
 with the head's recommended profile in the plain, answer-prefix and few-shot contexts. For every answer with a
 non-word (KnownWords, as the bench counts them), each step: the base model's likeliest token and its probability,
 the head's logit for it, whether it continues a word, the gate, and the token chosen (TRACE=0: the answers only).
-Variants, by environment: WHOLE_WORDS=0 (the profile without `whole_words`; default on); NEUTRAL=1 (every token the
+Variants, by environment: WHOLE_WORDS=0 (without `whole_words`, which the script turns on by default); NEUTRAL=1 (every token the
 head leaves unflagged tilts alike: logsigmoid capped at log 1/2); STUBS=1 (the word guard also drops word starts of
 one or two letters, a capital first); LOOKAHEAD=1 (the first whole-words trial: full forwards, every start;
 SHOW_ENDS=1 prints each start's probability of ending its word).
