@@ -475,11 +475,15 @@ class Batch:
         MAX_LOOKAHEAD starts, every turned row in one pass. Rows with an ASU adapter or a forced reply keep their
         scores; a row whose lookahead raises fails alone. In place."""
         looks = getattr(self.guide, "looks_ahead", None)
-        if looks is None or not looks() or not any(self.guide.flagged_tops()):
+        if looks is None or not looks():
+            return scores
+        flagged_tops = self.guide.flagged_tops()
+        if not any(flagged_tops):
             return scores
         joins, goes_on = self._joins(scores.size(-1), scores.device)
         eligible = [r.finish_reason is None and r.adapter is None and not r.forced for r in self.rows]
-        found = [t for t in self.guide.turned_words(logits, scores, pooled, joins, eligible) if len(t[1]) > 1]
+        found = [t for t in self.guide.turned_words(logits, scores, pooled, joins, eligible, flagged_tops)
+                 if len(t[1]) > 1]
         items = [(i, t) for i, starts, _, _ in found for t in starts[:MAX_LOOKAHEAD].tolist()]
         ends: dict[int, list[float]] = {i: [] for i, _, _, _ in found}
         for (i, _), ahead in zip(items, self._look_ahead(items)):

@@ -287,23 +287,29 @@ class HeadGuide:
         rows = [self.same] if self.same is not None else self.rows
         return any(row is not None and row[1].whole_words for row in rows)
 
+    def _per_row(self, read, empty):
+        """Per row of the batch, after a call: what `read(group)` gives for the row in its group (a list over the
+        group's rows), `empty` for rows without a head or whose group gives nothing."""
+        out = [empty] * (self._size or 0)
+        for group in self._groups or []:
+            rows = range(len(out)) if group.rows is None else group.rows.tolist()
+            for i, value in zip(rows, read(group)):
+                out[i] = value
+        return out
+
     def flagged_tops(self) -> list[bool]:
         """Per row, after a call: whether the gate let it in with its likeliest token flagged (`_Group`)."""
-        flags = [False] * (self._size or 0)
-        for group in self._groups or []:
-            rows = range(len(flags)) if group.rows is None else group.rows.tolist()
-            for i, flagged in zip(rows, group.last_flagged_top()):
-                flags[i] = flagged
-        return flags
+        return self._per_row(_Group.last_flagged_top, False)
 
     def turned_words(self, logits: torch.Tensor, scores: torch.Tensor, pooled: torch.Tensor, joins: torch.Tensor,
-                     eligible: list[bool]) -> list[tuple[int, torch.Tensor, torch.Tensor, float | None]]:
+                     eligible: list[bool], flagged_tops: list[bool]
+                     ) -> list[tuple[int, torch.Tensor, torch.Tensor, float | None]]:
         """After a call, with its (B, V) `scores` (and the guards after it): the `eligible` rows with `whole_words`
         whose scores turned away the base model's likeliest token where the head flags it (z < 0) and it starts a
-        word (not `joins`, (V,)). For each: (row, its unflagged word starts with a score, best first; every token
-        with a score that the head flags; its cap)."""
+        word (not `joins`, (V,)), among the rows `flagged_tops` (`flagged_tops()`) marks. For each: (row, its
+        unflagged word starts with a score, best first; every token with a score that the head flags; its cap)."""
         out = []
-        for i in [i for i, flagged in enumerate(self.flagged_tops()) if flagged and eligible[i]]:
+        for i in [i for i, flagged in enumerate(flagged_tops) if flagged and eligible[i]]:
             entry = self.row(i)
             if entry is None or not entry[1].whole_words:
                 continue
@@ -339,13 +345,9 @@ class HeadGuide:
     def repeat_guards(self) -> list[int]:
         """Per row, after a call: the n of the repeat guard the decode loop applies (`heads.decoding.repeats`),
         0 where it is off or the gate kept the row out."""
-        guards = [0] * (self._size or 0)
-        for group in self._groups or []:
-            if group.repeat_guard:
-                rows = range(len(guards)) if group.rows is None else group.rows.tolist()
-                for i, n, active in zip(rows, group.repeat_guard, group.last_active()):
-                    guards[i] = n if active else 0
-        return guards
+        return self._per_row(lambda group: [n if active else 0 for n, active in
+                                            zip(group.repeat_guard, group.last_active())]
+                             if group.repeat_guard else [], 0)
 
 
 @dataclass
