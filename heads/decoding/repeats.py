@@ -9,8 +9,9 @@ the leading space ("The" and " the" are one word), and tokens without a letter o
 digit (punctuation, spaces) are skipped, as a word count skips them. Those tokens
 get a guard of their own, so that a row cannot loop on them either ("Capital of:
 \n- \n- \n- ..."): within the run of word-less tokens that ends the answer, no
-token that would repeat an n-gram of that run, compared as tokens. A token that is
-part of a character (a byte of an emoji) is never banned, so a character is never cut.
+token that would repeat an n-gram of that run, compared as tokens. Nor does a row say a
+one-token word twice in a row ("The The"), which no n-gram of two or more words catches
+until the third time. A token that is part of a character (a byte of an emoji) is never banned, so a character is never cut.
 A row keeps at least one choice: if every candidate would repeat, nothing is banned.
 
 It runs at every step of a guarded row, so the common case (nothing to ban) is a
@@ -46,6 +47,8 @@ class WordClasses:
     # "Р" that is not one alone), as a word start spelled in bytes goes on (what the whole-words lookahead counts as
     # going on spelling; " Р"'s first byte after a space starts a word instead)
     partial: torch.Tensor | None = None
+    # per token id: True where the token starts a word (it has a letter or digit and does not join the word before)
+    starts: list[bool] | None = None
 
     def words(self, token_ids: list[int]) -> list[int]:
         """The answer's words, in order (tokens past the tokenizer and word-less tokens skipped)."""
@@ -59,6 +62,13 @@ class WordClasses:
         while start > 0 and token_ids[start - 1] < n and of[token_ids[start - 1]] < 0:
             start -= 1
         return token_ids[start:]
+
+    def doubled(self, token_ids: list[int]) -> list[int]:
+        """Where the answer ends with a token that starts a word: the tokens that start the same word, which would say
+        it twice in a row ("The The"). Empty where `starts` is not known."""
+        if self.starts is None or not token_ids or token_ids[-1] >= len(self.starts) or not self.starts[token_ids[-1]]:
+            return []
+        return [t for t in self.tokens_of[self.of_token[token_ids[-1]]] if self.starts[t]]
 
 
 def word_classes(tokenizer) -> WordClasses:
@@ -84,7 +94,8 @@ def word_classes(tokenizer) -> WordClasses:
                           not (isinstance(piece, str) and piece.startswith(_WORD_START))
                           for t, (text, piece) in enumerate(zip(texts, pieces))])
     partial = torch.tensor([text.startswith("\ufffd") and t not in special for t, text in enumerate(texts)])
-    classes = WordClasses(of_token, tokens_of, symbols, joins, partial)
+    starts = [w >= 0 and not j for w, j in zip(of_token, joins.tolist())]
+    classes = WordClasses(of_token, tokens_of, symbols, joins, partial, starts)
     _cache[tokenizer] = classes
     return classes
 
@@ -128,11 +139,12 @@ class AnswerNgrams:
 def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses,
                 ngrams: AnswerNgrams | None = None) -> None:
     """In place on one row's (V,) scores: -inf for the tokens whose word would repeat a word n-gram of `answer`
-    (token ids), and the word-less tokens that would repeat an n-gram of the word-less run ending it, unless no
-    finite score would be left. `ngrams`: the answer's `AnswerNgrams` for this n, kept across steps (None: read
+    (token ids), the word-less tokens that would repeat an n-gram of the word-less run ending it, and those that would
+    say the answer's last one-token word again right after it (`WordClasses.doubled`), unless no finite score would
+    be left. `ngrams`: the answer's `AnswerNgrams` for this n, kept across steps (None: read
     the whole answer)."""
     words = ngrams.bans(answer) if ngrams is not None else repeat_bans(classes.words(answer), n)
-    banned = [t for w in words for t in classes.tokens_of[w]]
+    banned = [t for w in words for t in classes.tokens_of[w]] + classes.doubled(answer)
     run = classes.symbol_run(answer)
     if len(run) >= n:  # a run of punctuation and spaces that says an n-gram of itself again
         banned += [t for t in repeat_bans(run, n) if t in classes.symbols]
