@@ -9,13 +9,18 @@ the leading space ("The" and " the" are one word), and tokens without a letter o
 digit (punctuation, spaces) are skipped, as a word count skips them. Those tokens
 get a guard of their own, so that a row cannot loop on them either ("Capital of:
 \n- \n- \n- ..."): within the run of word-less tokens that ends the answer, no
-token that would repeat an n-gram of that run, compared as tokens. Nor does a row say a
-one-token word twice in a row ("The The"), which no n-gram of two or more words catches
-until the third time. A token that is part of a character (a byte of an emoji) is never banned, so a character is never cut.
+token that would repeat an n-gram of that run, compared as tokens. A token that is
+part of a character (a byte of an emoji) is never banned, so a character is never cut.
 A row keeps at least one choice: if every candidate would repeat, nothing is banned.
 
-It runs at every step of a guarded row, so the common case (nothing to ban) is a
-few list operations: no tensor is touched unless a banned word is a candidate.
+Nor does a guarded row say a one-token word twice in a row ("The The"), which an
+n-gram guard would stop only at the (n+1)-th time ("The The The" under the default
+n = 3). This goes after the n-gram bans, with its own one-choice rule, so it never
+lifts them. A word a sentence may double ("had had") is lost on such rows too.
+
+It runs at every step of a guarded row: the common case (nothing to ban) is a few
+list operations, and where the answer's last token is a word, a look at the scores
+of the tokens that spell that word.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class WordClasses:
     # "Р" that is not one alone), as a word start spelled in bytes goes on (what the whole-words lookahead counts as
     # going on spelling; " Р"'s first byte after a space starts a word instead)
     partial: torch.Tensor | None = None
-    # per token id: True where the token starts a word (it has a letter or digit and does not join the word before)
+    # per token id: True where the token starts a word (it has a letter or digit, does not join the word before, and
+    # is no special token)
     starts: list[bool] | None = None
 
     def words(self, token_ids: list[int]) -> list[int]:
@@ -64,11 +70,17 @@ class WordClasses:
         return token_ids[start:]
 
     def doubled(self, token_ids: list[int]) -> list[int]:
-        """Where the answer ends with a token that starts a word: the tokens that start the same word, which would say
-        it twice in a row ("The The"). Empty where `starts` is not known."""
-        if self.starts is None or not token_ids or token_ids[-1] >= len(self.starts) or not self.starts[token_ids[-1]]:
+        """Where the answer ends with a one-token word so far (a token that starts a word, or a word that opens the
+        answer or follows a word-less token: "The" after the chat template's newline): the tokens that start the
+        same word, which would say it twice in a row ("The The"). Empty where `starts` is not known."""
+        of, n = self.of_token, len(self.of_token)
+        if self.starts is None or not token_ids or token_ids[-1] >= n or of[token_ids[-1]] < 0:
             return []
-        return [t for t in self.tokens_of[self.of_token[token_ids[-1]]] if self.starts[t]]
+        last = token_ids[-1]
+        before = token_ids[-2] if len(token_ids) > 1 else None
+        if not (self.starts[last] or before is None or (before < n and of[before] < 0)):
+            return []  # the token goes on with the word before it
+        return [t for t in self.tokens_of[of[last]] if self.starts[t]]
 
 
 def word_classes(tokenizer) -> WordClasses:
@@ -94,7 +106,7 @@ def word_classes(tokenizer) -> WordClasses:
                           not (isinstance(piece, str) and piece.startswith(_WORD_START))
                           for t, (text, piece) in enumerate(zip(texts, pieces))])
     partial = torch.tensor([text.startswith("\ufffd") and t not in special for t, text in enumerate(texts)])
-    starts = [w >= 0 and not j for w, j in zip(of_token, joins.tolist())]
+    starts = [w >= 0 and not j and t not in special for t, (w, j) in enumerate(zip(of_token, joins.tolist()))]
     classes = WordClasses(of_token, tokens_of, symbols, joins, partial, starts)
     _cache[tokenizer] = classes
     return classes
@@ -139,15 +151,21 @@ class AnswerNgrams:
 def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses,
                 ngrams: AnswerNgrams | None = None) -> None:
     """In place on one row's (V,) scores: -inf for the tokens whose word would repeat a word n-gram of `answer`
-    (token ids), the word-less tokens that would repeat an n-gram of the word-less run ending it, and those that would
-    say the answer's last one-token word again right after it (`WordClasses.doubled`), unless no finite score would
-    be left. `ngrams`: the answer's `AnswerNgrams` for this n, kept across steps (None: read
-    the whole answer)."""
+    (token ids) and the word-less tokens that would repeat an n-gram of the word-less run ending it, unless no finite
+    score would be left; then, as far as a finite score is left, for those that would say the answer's last one-token
+    word again right after it (`WordClasses.doubled`). `ngrams`: the answer's `AnswerNgrams` for this n, kept across
+    steps (None: read the whole answer)."""
     words = ngrams.bans(answer) if ngrams is not None else repeat_bans(classes.words(answer), n)
-    banned = [t for w in words for t in classes.tokens_of[w]] + classes.doubled(answer)
+    banned = [t for w in words for t in classes.tokens_of[w]]
     run = classes.symbol_run(answer)
     if len(run) >= n:  # a run of punctuation and spaces that says an n-gram of itself again
         banned += [t for t in repeat_bans(run, n) if t in classes.symbols]
+    _ban(scores, banned)
+    _ban(scores, classes.doubled(answer))
+
+
+def _ban(scores: torch.Tensor, banned: list[int]) -> None:
+    """-inf for `banned` (token ids) in one row's (V,) scores, unless no finite score would be left."""
     if not banned:
         return
     if scores.device.type == "cpu" and scores.dtype == torch.float32:  # a few numpy operations, no tensor dispatch
