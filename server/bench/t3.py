@@ -32,7 +32,7 @@ from lethe.heads.t3.train import FitConfig, fit_head
 def _timed_runs(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds of each run of each variant; the variants alternate, one run of each per round. `warmup` untimed
     rounds come first, so that what a variant does once (compiling the fused kernel, building a tokenizer's word
-    classes, merging an adapter's weights) is not counted as decoding: with few rounds it would weigh on the median."""
+    classes) is not counted as decoding: with few rounds it would weigh on the median."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
