@@ -204,10 +204,17 @@ def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
         engine.close()
 
 
-def test_a_lookahead_gives_the_logits_feeding_the_token_would_and_leaves_the_batch_as_it_was(tiny_lm, tiny_records):
-    # `TorchRows.peek` (the whole-words lookahead) feeds one row's candidates on a copy of its cache: each result
-    # equals the logits the row gets when that token is really fed, and the batch then decodes as if nothing happened
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_lookahead_gives_the_logits_feeding_the_token_would_and_leaves_the_batch_as_it_was(tiny_lm, tiny_records,
+                                                                                              side_by_side,
+                                                                                              monkeypatch):
+    # `TorchRows.peek` (the whole-words lookahead) feeds one row's candidates on a copy of its cache (side by side
+    # in one pass where the model takes a custom mask, else a copy per candidate): each result equals the logits the
+    # row gets when that token is really fed, and the batch then decodes as if nothing happened
     from lethe.heads.decoding.decode import Batch
+    from lethe.heads.t3 import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "packs", lambda model: side_by_side)
 
     model, tok = tiny_lm.model, tiny_lm.tokenizer
     prompts = _prompts(tiny_records, 2) + ["Question: Who?\nAnswer:"]  # lengths differ: left padding

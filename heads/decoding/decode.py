@@ -145,16 +145,52 @@ class TorchRows:
 
     def peek(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor | None:
         """(n, V) next-token logits after each of `tokens` (n,) fed to its row of `rows` alone, the batch's cache left
-        as it was (a lookahead: `heads.t3.tilt.keep_whole_words`); None where the cache is not a plain growing one."""
+        as it was (a lookahead: `heads.t3.tilt.keep_whole_words`); None where the cache is not a plain growing one.
+        Each distinct row's cache is copied once and all its tokens go in one pass side by side, at the same
+        position, each seeing the row's past and itself only (a custom mask, on models that take one:
+        `heads.t3.cache.packs`); elsewhere each token gets a copy of its row's cache."""
+        from lethe.heads.t3.cache import packs
+
         if not self.can_merge():
             return None
+        if not packs(self.model):
+            return self._peek_rows(rows, tokens)
+        device = self.attention_mask.device
+        distinct: dict[int, int] = {}  # row -> its place in the pass
+        which, slot, taken = [], [], []  # per token: its row's place, and its own place among the row's tokens
+        for r in rows:
+            j = distinct.setdefault(r, len(distinct))
+            taken += [0] * (j + 1 - len(taken))
+            which.append(j)
+            slot.append(taken[j])
+            taken[j] += 1
+        width = max(taken)
+        which, slot = torch.tensor(which, device=device), torch.tensor(slot, device=device)
+        ids = tokens.new_zeros((len(distinct), width))  # unused places: token 0, seen by nothing else
+        ids[which, slot] = tokens
+        idx = torch.tensor(list(distinct), device=device)
+        sees = torch.cat([self.attention_mask[idx].bool()[:, None].expand(-1, width, -1),
+                          torch.eye(width, dtype=torch.bool, device=device).expand(len(distinct), -1, -1)], -1)
+        dtype = self.model.dtype
+        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, torch.finfo(dtype).min)
+        positions = (self.positions[idx] + 1)[:, None].expand(-1, width)
+        hidden = forward_last_hidden(self.model, ids, mask[:, None], positions, self._copy_rows(idx))
+        return next_logits(self.model, hidden[which, slot])
+
+    def _peek_rows(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """`peek` with one copy of its row's cache per token, each fed as a row of its own."""
         idx = torch.tensor(rows, device=self.attention_mask.device)
+        mask = self.attention_mask[idx]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+        return next_logits(self.model, decode_one_token(self.model, tokens, mask, self.positions[idx] + 1,
+                                                        self._copy_rows(idx)))
+
+    def _copy_rows(self, idx: torch.Tensor) -> DynamicCache:
+        """A cache holding a copy of rows `idx` of the batch's."""
         cache = DynamicCache(config=self.model.config)
         for i, layer in enumerate(self.cache.layers):
             cache.update(layer.keys[idx], layer.values[idx], i)
-        mask = self.attention_mask[idx]
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
-        return next_logits(self.model, decode_one_token(self.model, tokens, mask, self.positions[idx] + 1, cache))
+        return cache
 
     def can_merge(self) -> bool:
         """Whether rows can join: every cache layer is a plain growing one."""
