@@ -235,6 +235,24 @@ def test_a_lookahead_gives_the_logits_feeding_the_token_would_and_leaves_the_bat
         assert row.token_ids == generate(model, tok, [prompt], params[0])[0].token_ids
 
 
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_lookahead_passes_keep_their_copies_of_row_caches_within_the_budget(side_by_side):
+    # a row's candidates fed side by side share one copy of its cache; fed one a row, each takes a copy: the passes
+    # hold as many items as the budget (here two copies) allows, in order
+    from types import SimpleNamespace
+
+    from lethe.heads.decoding.decode import LOOKAHEAD_BYTES, Batch
+
+    runner = SimpleNamespace(row_bytes=lambda: LOOKAHEAD_BYTES // 2, side_by_side=lambda: side_by_side)
+    items = [(0, 11), (0, 12), (0, 13), (1, 14), (2, 15)]
+    passes = Batch._lookahead_passes(SimpleNamespace(runner=runner), items)
+    assert [item for part in passes for item in part] == items
+    if side_by_side:
+        assert passes == [items[:4], items[4:]]
+    else:
+        assert passes == [items[:2], items[2:4], items[4:]]
+
+
 def _turned_case(model, tok, prompts, joins, goes_on):
     """Token ids (a question and the first tokens of the base model's greedy answer) after which the likeliest token
     starts a word (the head will flag it), with the other word starts among the base model's 20 likeliest next

@@ -139,7 +139,8 @@ class TorchRows:
         return self.last_hidden
 
     def row_bytes(self) -> int:
-        """The size of one row's cache (what a lookahead copies per token it looks at)."""
+        """The size of one row's cache (what a lookahead copies per row it looks at, or per token where it does not
+        feed them side by side)."""
         return sum((layer.keys[:1].numel() + layer.values[:1].numel()) * layer.keys.element_size()
                    for layer in self.cache.layers if getattr(layer, "keys", None) is not None)
 
@@ -149,11 +150,9 @@ class TorchRows:
         Each distinct row's cache is copied once and all its tokens go in one pass side by side, at the same
         position, each seeing the row's past and itself only (a custom mask, on models that take one:
         `heads.t3.cache.packs`); elsewhere each token gets a copy of its row's cache."""
-        from lethe.heads.t3.cache import packs
-
         if not self.can_merge():
             return None
-        if not packs(self.model):
+        if not self.side_by_side():
             return self._peek_rows(rows, tokens)
         device = self.attention_mask.device
         distinct: dict[int, int] = {}  # row -> its place in the pass
@@ -176,6 +175,13 @@ class TorchRows:
         positions = (self.positions[idx] + 1)[:, None].expand(-1, width)
         hidden = forward_last_hidden(self.model, ids, mask[:, None], positions, self._copy_rows(idx))
         return next_logits(self.model, hidden[which, slot])
+
+    def side_by_side(self) -> bool:
+        """Whether `peek` feeds a row's tokens side by side on one copy of its cache (the model takes a custom
+        mask: `heads.t3.cache.packs`)."""
+        from lethe.heads.t3.cache import packs
+
+        return packs(self.model)
 
     def _peek_rows(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """`peek` with one copy of its row's cache per token, each fed as a row of its own."""
@@ -536,11 +542,8 @@ class Batch:
         """The next-token logits after each (row, token) of `items`, in passes whose copies of the rows' caches stay
         within LOOKAHEAD_BYTES; None for the items of a row that failed (a pass that raises is run again row by
         row, and a row that still raises fails) or of a runner that cannot look ahead."""
-        per = getattr(self.runner, "row_bytes", lambda: 0)()
-        piece = max(1, min(len(items), LOOKAHEAD_BYTES // per)) if per else len(items)
         out: list[torch.Tensor | None] = []
-        for k in range(0, len(items), piece):
-            part = items[k:k + piece]
+        for part in self._lookahead_passes(items):
             try:
                 out += self._peek(part)
             except Exception:
@@ -552,6 +555,25 @@ class Batch:
                         self.fail(i, e)
                         out += [None] * len(mine)
         return out
+
+    def _lookahead_passes(self, items: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """(row, token) `items` in passes, in order, whose copies of rows' caches stay within LOOKAHEAD_BYTES (at
+        least one item a pass): a copy per distinct row where the runner feeds a row's tokens side by side
+        (`TorchRows.side_by_side`), else one per item."""
+        per = getattr(self.runner, "row_bytes", lambda: 0)()
+        if not per:
+            return [items]
+        side_by_side = getattr(self.runner, "side_by_side", lambda: False)()
+        passes: list[list[tuple[int, int]]] = [[]]
+        rows: set[int] = set()
+        for item in items:
+            copies = len(rows | {item[0]}) if side_by_side else len(passes[-1]) + 1
+            if passes[-1] and copies * per > LOOKAHEAD_BYTES:
+                passes.append([])
+                rows = set()
+            passes[-1].append(item)
+            rows.add(item[0])
+        return passes
 
     def _peek(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:
         """One lookahead pass over (row, token) `items`, under the rows' adapters."""
