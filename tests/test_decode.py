@@ -243,14 +243,26 @@ def test_lookahead_passes_keep_their_copies_of_row_caches_within_the_budget(side
 
     from lethe.heads.decoding.decode import LOOKAHEAD_BYTES, Batch
 
-    runner = SimpleNamespace(row_bytes=lambda: LOOKAHEAD_BYTES // 2, side_by_side=lambda: side_by_side)
+    def passes(per):
+        runner = SimpleNamespace(row_bytes=lambda: per, side_by_side=lambda: side_by_side)
+        return Batch._lookahead_passes(SimpleNamespace(runner=runner), items)
+
     items = [(0, 11), (0, 12), (0, 13), (1, 14), (2, 15)]
-    passes = Batch._lookahead_passes(SimpleNamespace(runner=runner), items)
-    assert [item for part in passes for item in part] == items
-    if side_by_side:
-        assert passes == [items[:4], items[4:]]
+    within, over = passes(LOOKAHEAD_BYTES // 2), passes(LOOKAHEAD_BYTES + 1)  # two copies a pass; less than one
+    assert [item for part in within for item in part] == items
+    if side_by_side:  # a row's items stay in one pass even where its one copy is over the budget
+        assert within == [items[:4], items[4:]] and over == [items[:3], items[3:4], items[4:]]
     else:
-        assert passes == [items[:2], items[2:4], items[4:]]
+        assert within == [items[:2], items[2:4], items[4:]] and over == [[item] for item in items]
+
+
+def test_a_step_with_nothing_to_look_ahead_at_runs_no_pass(tiny_lm, tiny_records, monkeypatch):
+    from lethe.heads.decoding.decode import Batch
+
+    batch = Batch(tiny_lm.model, tiny_lm.tokenizer, _prompts(tiny_records, 1),
+                  [SamplingParams(max_new_tokens=2, temperature=0.0)])
+    monkeypatch.setattr(batch.runner, "peek", lambda rows, tokens: pytest.fail("a pass with no items"))
+    assert batch._look_ahead([]) == []
 
 
 def _turned_case(model, tok, prompts, joins, goes_on):

@@ -76,6 +76,12 @@ def forward_last_hidden(model, input_ids, attention_mask, position_ids, cache) -
     return out.last_hidden_state
 
 
+def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (B, query, key) bool mask of which keys each query sees as the (B, 1, query, key) additive mask a decoder
+    takes as given (0 where it sees, the dtype's lowest value elsewhere)."""
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
+
+
 def next_logits(model, hidden_last: torch.Tensor) -> torch.Tensor:
     """LM-head logits for one position per row: (B, d) -> (B, V), float32."""
     return model.get_output_embeddings()(hidden_last).float()
@@ -158,11 +164,12 @@ class TorchRows:
         distinct: dict[int, int] = {}  # row -> its place in the pass
         which, slot, taken = [], [], []  # per token: its row's place, and its own place among the row's tokens
         for r in rows:
-            j = distinct.setdefault(r, len(distinct))
-            taken += [0] * (j + 1 - len(taken))
-            which.append(j)
-            slot.append(taken[j])
-            taken[j] += 1
+            if r not in distinct:
+                distinct[r] = len(distinct)
+                taken.append(0)
+            which.append(distinct[r])
+            slot.append(taken[distinct[r]])
+            taken[distinct[r]] += 1
         width = max(taken)
         which, slot = torch.tensor(which, device=device), torch.tensor(slot, device=device)
         ids = tokens.new_zeros((len(distinct), width))  # unused places: token 0, seen by nothing else
@@ -170,10 +177,9 @@ class TorchRows:
         idx = torch.tensor(list(distinct), device=device)
         sees = torch.cat([self.attention_mask[idx].bool()[:, None].expand(-1, width, -1),
                           torch.eye(width, dtype=torch.bool, device=device).expand(len(distinct), -1, -1)], -1)
-        dtype = self.model.dtype
-        mask = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, torch.finfo(dtype).min)
         positions = (self.positions[idx] + 1)[:, None].expand(-1, width)
-        hidden = forward_last_hidden(self.model, ids, mask[:, None], positions, self._copy_rows(idx))
+        hidden = forward_last_hidden(self.model, ids, additive_mask(sees, self.model.dtype), positions,
+                                     self._copy_rows(idx))
         return next_logits(self.model, hidden[which, slot])
 
     def side_by_side(self) -> bool:
@@ -370,7 +376,7 @@ class Batch:
 
     def _adapters(self, rows: list[int] | None = None):
         """The rows' adapters for a forward pass; `rows`: the batch's rows a pass feeds, in order (a lookahead feeds
-        each of its items' rows; default: every row)."""
+        each of its items' rows, or each distinct row once: `_peek`; default: every row)."""
         if self.adapters is None or self._llama:  # no per-row adapters (the common case), or llama.cpp's rows,
             return nullcontext()  # which keep their own
         from lethe.heads.asu.weights import adapters
@@ -539,9 +545,12 @@ class Batch:
         return scores
 
     def _look_ahead(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-        """The next-token logits after each (row, token) of `items`, in passes whose copies of the rows' caches stay
-        within LOOKAHEAD_BYTES; None for the items of a row that failed (a pass that raises is run again row by
-        row, and a row that still raises fails) or of a runner that cannot look ahead."""
+        """The next-token logits after each (row, token) of `items` (each row's items together, as the retry below
+        gives them back row by row), in passes whose copies of the rows' caches stay within LOOKAHEAD_BYTES; None for
+        the items of a row that failed (a pass that raises is run again row by row, and a row that still raises
+        fails) or of a runner that cannot look ahead."""
+        if not items:
+            return []
         out: list[torch.Tensor | None] = []
         for part in self._lookahead_passes(items):
             try:
@@ -557,9 +566,9 @@ class Batch:
         return out
 
     def _lookahead_passes(self, items: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """(row, token) `items` in passes, in order, whose copies of rows' caches stay within LOOKAHEAD_BYTES (at
-        least one item a pass): a copy per distinct row where the runner feeds a row's tokens side by side
-        (`TorchRows.side_by_side`), else one per item."""
+        """(row, token) `items` in passes, in order, whose copies of rows' caches stay within LOOKAHEAD_BYTES: a copy
+        per distinct row where the runner feeds a row's tokens side by side (`TorchRows.side_by_side`; a pass holds
+        at least one row's items, whatever its cache's size), else one per item (at least one item a pass)."""
         per = getattr(self.runner, "row_bytes", lambda: 0)()
         if not per:
             return [items]
@@ -567,8 +576,11 @@ class Batch:
         passes: list[list[tuple[int, int]]] = [[]]
         rows: set[int] = set()
         for item in items:
-            copies = len(rows | {item[0]}) if side_by_side else len(passes[-1]) + 1
-            if passes[-1] and copies * per > LOOKAHEAD_BYTES:
+            if side_by_side:  # one more copy only for a row new to the pass
+                full = item[0] not in rows and rows and (len(rows) + 1) * per > LOOKAHEAD_BYTES
+            else:
+                full = passes[-1] and (len(passes[-1]) + 1) * per > LOOKAHEAD_BYTES
+            if full:
                 passes.append([])
                 rows = set()
             passes[-1].append(item)
@@ -576,9 +588,11 @@ class Batch:
         return passes
 
     def _peek(self, items: list[tuple[int, int]]) -> list[torch.Tensor | None]:
-        """One lookahead pass over (row, token) `items`, under the rows' adapters."""
+        """One lookahead pass over (row, token) `items`, under the rows' adapters (one a row where the runner feeds
+        a row's tokens side by side)."""
         rows = [i for i, _ in items]
-        with self._adapters(rows):
+        fed = list(dict.fromkeys(rows)) if getattr(self.runner, "side_by_side", lambda: False)() else rows
+        with self._adapters(fed):
             ahead = self.runner.peek(rows, torch.tensor([t for _, t in items], device=self.temperature.device))
         return [None] * len(items) if ahead is None else list(ahead)
 

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from lethe.heads.decoding.decode import forward_last_hidden
+from lethe.heads.decoding.decode import additive_mask, forward_last_hidden
 from lethe.heads.records import Example, encode_examples
 from lethe.heads.t3.pooling import pooled_positions
 
@@ -176,8 +176,7 @@ def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]],
         ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
     start = 0 if prefix is None else len(prefix[1])
     sees = torch.cat([torch.ones((len(rows), width, start), dtype=torch.bool), sees], -1)
-    dtype = model.dtype  # the compute dtype (a first parameter may be kept in float32 or quantised)
-    mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)[:, None]
+    mask = additive_mask(sees, model.dtype)  # the compute dtype (a first parameter may be kept in float32 or quantised)
     cache = None
     if prefix is not None:
         cache = copy.deepcopy(prefix[0])
