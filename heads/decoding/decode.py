@@ -577,9 +577,9 @@ class Batch:
         rows: set[int] = set()
         for item in items:
             if side_by_side:  # one more copy only for a row new to the pass
-                full = item[0] not in rows and rows and (len(rows) + 1) * per > LOOKAHEAD_BYTES
+                full = bool(rows) and item[0] not in rows and (len(rows) + 1) * per > LOOKAHEAD_BYTES
             else:
-                full = passes[-1] and (len(passes[-1]) + 1) * per > LOOKAHEAD_BYTES
+                full = bool(passes[-1]) and (len(passes[-1]) + 1) * per > LOOKAHEAD_BYTES
             if full:
                 passes.append([])
                 rows = set()
