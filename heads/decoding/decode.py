@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from lethe.heads.decoding.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from lethe.heads.io import crash_after_tokens, crash_point
-from lethe.heads.decoding.repeats import AnswerNgrams, ban_repeats, word_classes
+from lethe.heads.decoding.repeats import AnswerNgrams, ban_repeats, numpy_view, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
 from lethe.heads.t3.guide import MAX_LOOKAHEAD, whole_vocabulary
 from lethe.heads.t3.tilt import keep_whole_words, word_ends
@@ -507,13 +507,13 @@ class Batch:
         ns = [(ns[i] if i < len(ns) else 0) or (row.repeat_guard if row.gate_on is not False else 0)
               for i, row in enumerate(self.rows)]
         if any(ns):
-            classes = word_classes(self.tokenizer)
+            classes, rows = word_classes(self.tokenizer), numpy_view(scores)
             for i, n in enumerate(ns):
                 row = self.rows[i]
                 if n and row.finish_reason is None:
                     if row.ngrams is None or row.ngrams.n != n:
                         row.ngrams = AnswerNgrams(classes, n)
-                    ban_repeats(scores[i], row.token_ids, n, classes, row.ngrams)
+                    ban_repeats(rows[i], row.token_ids, n, classes, row.ngrams)
         return scores
 
     def _complete_words(self, scores: torch.Tensor, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

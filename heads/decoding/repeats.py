@@ -25,6 +25,7 @@ of the tokens that spell that word.
 
 from __future__ import annotations
 
+import math
 import re
 import weakref
 from dataclasses import dataclass
@@ -148,9 +149,9 @@ class AnswerNgrams:
         return set(self.after.get(tuple(words[len(words) - n + 1:]), ()))  # a copy: the kept set grows
 
 
-def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordClasses,
+def ban_repeats(scores: torch.Tensor | np.ndarray, answer: list[int], n: int, classes: WordClasses,
                 ngrams: AnswerNgrams | None = None) -> None:
-    """In place on one row's (V,) scores: -inf for the tokens whose word would repeat a word n-gram of `answer`
+    """In place on one row's (V,) scores (a tensor, or a numpy view of a CPU one): -inf for the tokens whose word would repeat a word n-gram of `answer`
     (token ids) and the word-less tokens that would repeat an n-gram of the word-less run ending it, unless no finite
     score would be left; then, as far as a finite score is left, for those that would say the answer's last one-token
     word again right after it (`WordClasses.doubled`). `ngrams`: the answer's `AnswerNgrams` for this n, kept across
@@ -164,16 +165,21 @@ def ban_repeats(scores: torch.Tensor, answer: list[int], n: int, classes: WordCl
     _ban(scores, classes.doubled(answer))
 
 
-def _ban(scores: torch.Tensor, banned: list[int]) -> None:
+def numpy_view(scores: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """`scores` as a numpy view where it is a CPU float32 tensor (writes go to `scores`), which the guard's few
+    operations per row read and write without tensor dispatch; else `scores`."""
+    return scores.numpy() if scores.device.type == "cpu" and scores.dtype == torch.float32 else scores
+
+
+def _ban(scores: torch.Tensor | np.ndarray, banned: list[int]) -> None:
     """-inf for `banned` (token ids) in one row's (V,) scores, unless no finite score would be left."""
     if not banned:
         return
-    if scores.device.type == "cpu" and scores.dtype == torch.float32:  # a few numpy operations, no tensor dispatch
-        row = scores.numpy()  # a view: writes go to `scores`
-        ids = np.asarray(banned)
-        hit = ids[ids < len(row)]
-        hit = hit[np.isfinite(row[hit])]
-        if len(hit):
+    row = numpy_view(scores) if isinstance(scores, torch.Tensor) else scores
+    if isinstance(row, np.ndarray):
+        size = len(row)
+        hit = [t for t in banned if t < size and math.isfinite(row[t])]
+        if hit:
             kept = row[hit]
             row[hit] = -np.inf
             if not np.isfinite(row).any():  # no finite score left: nothing is banned
@@ -185,3 +191,4 @@ def _ban(scores: torch.Tensor, banned: list[int]) -> None:
     kept = scores.index_fill(0, ids, float("-inf"))
     if bool(torch.isfinite(kept).any()):
         scores.copy_(kept)
+
