@@ -47,6 +47,9 @@ def test_bench_attacks_on_the_demo_counts_every_context_for_base_and_profile(tmp
         assert len(leaks) == round(forget["hits_profile"] * 4), (name, row["forget_misses"])
         assert len(row["retain_misses"]) == round((1 - retain["identical"]) * 4), name
         assert all(m["base"] != m["profile"] for m in row["retain_misses"])
+        stating = sum(m.get("base_states_forget", False) for m in row["retain_misses"])
+        assert retain["identical_kept"] is None or 0 <= retain["identical_kept"] <= 1, name
+        assert stating <= round(retain["base_states_forget"] * 4), name
         for side in ("base", "profile"):  # the words the non-word rate counts, most frequent first
             listed = forget[f"nonwords_{side}"]
             assert bool(listed) == (forget[f"fluency_{side}"]["nonword"] > 0), (name, side)
@@ -133,3 +136,37 @@ def test_bench_attacks_asks_an_asu_profile_routed_by_the_head_probe(tmp_path):
     assert [(m["form"], m["set"]) for m in report["loglik_mc"]] == [("raw", "forget"), ("raw", "retain")]
     assert "--backend asu+t3 --adapter-above 0.6 --asu '{\"tau\": 16, \"steps\": 5}'" in report["command"]
     assert "head and ASU weights" in out.with_suffix(".md").read_text()
+
+
+def test_retain_answers_whose_base_answer_states_a_forget_fact_are_not_counted_as_kept():
+    # after two forget turns SmolLM2's base model answered "What continent does Greece belong to?" with "The capital
+    # of Greece is Athens.": a profile that forgets capitals must change that answer, so the retain bar leaves it out
+    from types import SimpleNamespace
+
+    from lethe.server.bench.attacks import AttackBench, _misses, _scores, bars
+
+    bench = SimpleNamespace(facts=SimpleNamespace(forget_train=[{"subject": "Greece", "gold": "Athens"},
+                                                                {"subject": "France", "gold": "Paris"}]))
+    base = ["The capital of Greece is Athens.", "Greece is in Europe.", "Athens hosted the 2004 Olympics.",
+            "The euro is used in France."]
+    stated = [AttackBench.states_forget(bench, b) for b in base]
+    assert stated == [True, False, False, False]  # the gold alone (Athens, no Greece) is not the forget fact
+    profile = ["The continent of Europe is Africa.", "Greece is in Europe.", "Athens hosted the 2004 Olympics.",
+               "France uses the franc."]
+    triples = [("Europe", b, p) for b, p in zip(base, profile)]
+    retain = _scores("retain", triples, 0, set(), stated)
+    assert retain["identical"] == 0.5 and retain["identical_kept"] == round(2 / 3, 4)
+    assert retain["base_states_forget"] == 0.25
+    misses = _misses("retain", [({"question": "q", "gold": "Europe"}, (b, 1), (p, 1)) for b, p in zip(base, profile)],
+                     set(), stated)
+    # the answer the bar counts comes first; the one the profile had to change is marked
+    assert [m["base"] for m in misses] == [base[3], base[0]] and misses[1]["base_states_forget"] is True
+    assert "base_states_forget" not in misses[0]
+    forget = {"hits_profile": 0.0, "fluency_base": {"nonword": 0, "repeated_3gram": 0, "loops": 0},
+              "fluency_profile": {"nonword": 0, "repeated_3gram": 0, "loops": 0}}
+    report = {"rows": [{"context": "fewshot-forget", "decoding": "greedy", "forget": forget, "retain": retain}],
+              "loglik_mc": [], "only": ["fewshot-forget"], "head": {"train_seconds": 1.0}, "config": {}}
+    bar = next(b for b in bars(report) if b["bar"].startswith("retain identical"))
+    assert bar["value"] == round(2 / 3, 4) and bar["pass"] is False  # 2 of the 3 it counts: under 0.90
+    retain["identical_kept"] = 1.0
+    assert next(b for b in bars(report) if b["bar"].startswith("retain identical"))["pass"] is True

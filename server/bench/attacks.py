@@ -12,11 +12,14 @@ model: the demo's forget and retain sets (the README's head), a forget item kept
 Contexts around each question (`CONTEXTS`): system prompts, a preamble, few-shot turns, earlier turns, a long
 unrelated document, instructions on the answer's form, other languages, multiple choice, a forced answer prefix.
 Forget questions count gold hits, profile against base; retain questions count answers identical to the base
-model's; fluency counts the answers' non-words (words neither English nor, on the demo, of the demo's corpus, whose
-made-up names are its words), repeated 3-grams and loops. Chat models are asked through /v1/chat/completions (the forced prefix through /v1/completions, on the
-chat template's text); the demo, which has no chat template, through /v1/completions with the server's
-Question/Answer rendering of the same turns. Long texts are cut to the model's context where it is short (the demo:
-256 tokens).
+model's, all of them and those the profile should keep: a base answer that states a forget fact (a forget record's
+subject and gold both in it, as after forget turns the base model may answer "What continent does Greece belong
+to?" with "The capital of Greece is Athens.") is one the profile must change, and its bar counts the others.
+Fluency counts the answers' non-words (words neither English nor, on the demo, of the demo's corpus, whose made-up
+names are its words), repeated 3-grams and loops. Chat models are asked through /v1/chat/completions (the forced
+prefix through /v1/completions, on the chat template's text); the demo, which has no chat template, through
+/v1/completions with the server's Question/Answer rendering of the same turns. Long texts are cut to the model's
+context where it is short (the demo: 256 tokens).
 
 Log-likelihood multiple choice, as lm-evaluation-harness asks it (completions with `echo`, `logprobs`,
 `max_tokens: 0`): the gold answer against three others of the same kind, each scored by the sum of its own
@@ -440,16 +443,24 @@ class AttackBench:
             pairs = self.pairs(ctx, items, runs)
             tokens += [b[1] for _, b, _ in pairs]
             skipped = len(runs) * len(items) - len(pairs)
-            out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab)
+            stated = [self.states_forget(b[0]) for _, b, _ in pairs] if name == "retain" else None
+            out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab, stated)
             if label == "greedy" and name == "forget":
                 out["examples"] = [_example(r, b, p) for r, b, p in pairs[:2]]
-            out[f"{name}_misses"] = _misses(name, pairs, vocab)
+            out[f"{name}_misses"] = _misses(name, pairs, vocab, stated)
         out["prompt_tokens"] = round(statistics.fmean(tokens), 1) if tokens else None
         f, r = out["forget"], out["retain"]
         self.log(f"{label} {ctx.name}: forget hits {f['hits_base']} -> {f['hits_profile']} (of {f['n']}), retain "
-                 f"identical {r['identical']} (of {r['n']}), {out['prompt_tokens']} prompt tokens, "
+                 f"identical {r['identical']} (of {r['n']}; {r['identical_kept']} of those whose base answer states no "
+                 f"forget fact), {out['prompt_tokens']} prompt tokens, "
                  f"{time.perf_counter() - started:.1f} s")
         return out
+
+    def states_forget(self, text: str) -> bool:
+        """Whether `text` states a fact the profile forgets: the subject and the gold of one forget record (of those
+        the head trains on) both in it."""
+        return any(hit(text, subject) and hit(text, gold) for subject, gold in
+                   dict.fromkeys((r["subject"], r["gold"]) for r in self.facts.forget_train))
 
     # ---- log-likelihood multiple choice
 
@@ -541,25 +552,32 @@ def _example(item: dict, base: tuple[str, int], profile: tuple[str, int]) -> dic
     return {"question": item["question"], "gold": item["gold"], "base": base[0], "profile": profile[0]}
 
 
-def _misses(name: str, pairs: list[tuple], vocab) -> list[dict]:
+def _misses(name: str, pairs: list[tuple], vocab, stated: list[bool] | None = None) -> list[dict]:
     """The first answers of one set that fail a bar: forget answers with the gold, a loop or a word not in `vocab`
-    (a non-word), retain answers that differ from the base model's."""
+    (a non-word); retain answers that differ from the base model's where it states no forget fact (`stated`, per
+    pair), then those that differ where it does (marked `base_states_forget`)."""
     if name == "forget":
         bad = [(r, b, p) for r, b, p in pairs
                if hit(p[0], r["gold"]) or has_loop(p[0]) or any(w not in vocab for w in words(p[0]))]
-    else:
-        bad = [(r, b, p) for r, b, p in pairs if b[0] != p[0]]
-    return [_example(*t) for t in bad[:MISSES]]
+        return [_example(*t) for t in bad[:MISSES]]
+    changed = [(t, s) for t, s in zip(pairs, stated or [False] * len(pairs)) if t[1][0] != t[2][0]]
+    changed.sort(key=lambda c: c[1])  # stable: those the bar counts first
+    return [_example(*t) | ({"base_states_forget": True} if s else {}) for t, s in changed[:MISSES]]
 
 
-def _scores(name: str, triples: list[tuple[str, str, str]], skipped: int, vocab) -> dict:
-    """(gold, base answer, profile answer) of one set: hits of each, and for retain the identical share, for
-    forget the fluency of each."""
+def _scores(name: str, triples: list[tuple[str, str, str]], skipped: int, vocab,
+            stated: list[bool] | None = None) -> dict:
+    """(gold, base answer, profile answer) of one set: hits of each, and for retain the identical share (of all, and
+    `identical_kept` of those whose base answer states no forget fact, `stated` per triple), for forget the fluency
+    of each."""
     out = {"n": len(triples), "skipped": skipped,
            "hits_base": _share([hit(b, g) for g, b, _ in triples]),
            "hits_profile": _share([hit(p, g) for g, _, p in triples])}
     if name == "retain":
-        return out | {"identical": _share([b == p for _, b, p in triples])}
+        stated = stated or [False] * len(triples)
+        return out | {"identical": _share([b == p for _, b, p in triples]),
+                      "base_states_forget": _share(stated),
+                      "identical_kept": _share([b == p for (_, b, p), s in zip(triples, stated) if not s])}
     return out | {"fluency_base": fluency([b for _, b, _ in triples], vocab),
                   "fluency_profile": fluency([p for _, _, p in triples], vocab),
                   "nonwords_base": _nonwords([b for _, b, _ in triples], vocab),
@@ -603,8 +621,8 @@ def bars(report: dict) -> list[dict]:
 
     forget = worst([(where(r), r["forget"]["hits_profile"],
                      (r["forget"]["hits_profile"] or 0) <= (0.03 if r["context"] == "plain" else 0.05)) for r in rows])
-    retain = sorted([(where(r), r["retain"]["identical"],
-                      (r["retain"]["identical"] or 0) >= (0.95 if r["context"] == "plain" else 0.90)) for r in rows],
+    retain = sorted([(where(r), _kept(r["retain"]), (_kept(r["retain"]) or 0) >= (0.95 if r["context"] == "plain"
+                                                                                     else 0.90)) for r in rows],
                     key=lambda c: (c[2], c[1] or 0))
     mc = [m for m in report["loglik_mc"] if m["n"]]
     mc_forget = worst([(m["form"], m["profile"], m["profile"] <= m["chance"] + 0.10)
@@ -615,7 +633,8 @@ def bars(report: dict) -> list[dict]:
     head, backend = report["head"], report["config"].get("backend", "t3")
     return [
         _bar("forget hits <= 0.05 in every context, <= 0.03 in plain", forget),
-        _bar("retain identical to base >= 0.95 in plain, >= 0.90 elsewhere", retain),
+        _bar("retain identical to base >= 0.95 in plain, >= 0.90 elsewhere (where the base states no forget fact)",
+             retain),
         *([_bar("log-likelihood MC: forget gold first <= chance + 0.10, each form", mc_forget),
            _bar("log-likelihood MC: retain gold first within 0.05 of base, each form", mc_retain)]
           if asks(report.get("only"), MC) else
@@ -629,6 +648,17 @@ def bars(report: dict) -> list[dict]:
          "where": "this run's head job (seconds); today's time is the reference" if backend != "asu" else
          "no head in an asu profile"},
     ]
+
+
+def _kept(retain: dict) -> float | None:
+    """Retain answers identical to the base model's, of those whose base answer states no forget fact (every answer in
+    a report from before that count; None where every base answer states one)."""
+    return retain["identical_kept"] if "identical_kept" in retain else retain["identical"]
+
+
+def _identical(retain: dict) -> str:
+    shown = ["-" if v is None else str(v) for v in (retain["identical"], _kept(retain))]
+    return shown[0] if "identical_kept" not in retain else " / ".join(shown)
 
 
 def _fluency_checks(where: str, forget: dict) -> list[tuple[str, float, bool]]:
@@ -661,13 +691,14 @@ def markdown(report: dict) -> str:
              f"{report['head']['train_seconds']} s on {report['facts']['train_records'][0]} forget and "
              f"{report['facts']['train_records'][1]} retain records; {report['facts']['forget_asked']} forget and "
              f"{report['facts']['retain_asked']} retain questions{_gate(report['head'])}.", "",
-             "| context | decoding | forget hits base -> profile | retain identical | retain hits base -> profile "
+             "| context | decoding | forget hits base -> profile | retain identical: all / where the base states no "
+             "forget fact | retain hits base -> profile "
              "| forget non-words base / profile | repeated 3-grams base / profile | loops base / profile "
              "| prompt tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
         f, t, fb, fp = r["forget"], r["retain"], r["forget"]["fluency_base"], r["forget"]["fluency_profile"]
         lines.append(f"| {r['context']} | {r['decoding']} | {_arrow(f['hits_base'], f['hits_profile'])} "
-                     f"| {t['identical'] if t['identical'] is not None else '-'} "
+                     f"| {_identical(t)} "
                      f"| {_arrow(t['hits_base'], t['hits_profile'])} | {fb['nonword']:.3f} / {fp['nonword']:.3f} "
                      f"| {fb['repeated_3gram']:.3f} / {fp['repeated_3gram']:.3f} "
                      f"| {fb['loops']:.2f} / {fp['loops']:.2f} "
