@@ -143,30 +143,43 @@ def test_retain_answers_whose_base_answer_states_a_forget_fact_are_not_counted_a
     # of Greece is Athens.": a profile that forgets capitals must change that answer, so the retain bar leaves it out
     from types import SimpleNamespace
 
-    from lethe.server.bench.attacks import AttackBench, _misses, _scores, bars
+    from lethe.server.bench.attacks import CONTEXTS, AttackBench, bars, forget_facts, markdown, states_fact
 
-    bench = SimpleNamespace(facts=SimpleNamespace(forget_train=[{"subject": "Greece", "gold": "Athens"},
-                                                                {"subject": "France", "gold": "Paris"}]))
+    facts = forget_facts([{"subject": "Greece", "gold": "Athens"}, {"subject": "Italy", "gold": "Rome"},
+                          {"subject": "Italy", "gold": "Rome"}])
+    assert len(facts) == 2  # one per (subject, gold)
+    assert states_fact("The capital of Greece is ATHENS.", facts)
+    # the gold alone is not the fact, nor a word that begins with it
+    assert not states_fact("Athens hosted the 2004 Olympics.", facts)
+    assert not states_fact("Romeo and Juliet is set in Verona, Italy.", facts)
+    item = {"question": "q", "gold": "Europe", "subject": "Greece"}
     base = ["The capital of Greece is Athens.", "Greece is in Europe.", "Athens hosted the 2004 Olympics.",
-            "The euro is used in France."]
-    stated = [AttackBench.states_forget(bench, b) for b in base]
-    assert stated == [True, False, False, False]  # the gold alone (Athens, no Greece) is not the forget fact
+            "Romeo and Juliet is set in Verona, Italy."]
     profile = ["The continent of Europe is Africa.", "Greece is in Europe.", "Athens hosted the 2004 Olympics.",
-               "France uses the franc."]
-    triples = [("Europe", b, p) for b, p in zip(base, profile)]
-    retain = _scores("retain", triples, 0, set(), stated)
-    assert retain["identical"] == 0.5 and retain["identical_kept"] == round(2 / 3, 4)
-    assert retain["base_states_forget"] == 0.25
-    misses = _misses("retain", [({"question": "q", "gold": "Europe"}, (b, 1), (p, 1)) for b, p in zip(base, profile)],
-                     set(), stated)
+               "It is set in Italy."]
+    bench = object.__new__(AttackBench)  # no server: the answers are given
+    bench.log = lambda *args: None
+    bench.facts = SimpleNamespace(forget=[item], retain=[item] * 4, forget_train=[
+        {"subject": "Greece", "gold": "Athens"}, {"subject": "Italy", "gold": "Rome"}])
+    bench.pairs = lambda ctx, items, runs: [(r, (b, 1), (p, 1)) for r, b, p in zip(items, base, profile)]
+    row = bench.row(CONTEXTS[0], "greedy", [{"temperature": 0.0}], set())
+    retain = row["retain"]
+    assert retain["identical"] == 0.5 and retain["base_states_forget"] == 0.25
+    assert retain["n_kept"] == 3 and retain["identical_kept"] == round(2 / 3, 4)
     # the answer the bar counts comes first; the one the profile had to change is marked
+    misses = row["retain_misses"]
     assert [m["base"] for m in misses] == [base[3], base[0]] and misses[1]["base_states_forget"] is True
     assert "base_states_forget" not in misses[0]
-    forget = {"hits_profile": 0.0, "fluency_base": {"nonword": 0, "repeated_3gram": 0, "loops": 0},
-              "fluency_profile": {"nonword": 0, "repeated_3gram": 0, "loops": 0}}
-    report = {"rows": [{"context": "fewshot-forget", "decoding": "greedy", "forget": forget, "retain": retain}],
-              "loglik_mc": [], "only": ["fewshot-forget"], "head": {"train_seconds": 1.0}, "config": {}}
+    report = {"rows": [row], "loglik_mc": [], "only": ["plain"], "head": {"train_seconds": 1.0}, "config": {},
+              "model": "m", "format": "chat", "route": "/v1/chat/completions",
+              "facts": {"train_records": [2, 4], "forget_asked": 1, "retain_asked": 4}, "skipped": {}}
     bar = next(b for b in bars(report) if b["bar"].startswith("retain identical"))
-    assert bar["value"] == round(2 / 3, 4) and bar["pass"] is False  # 2 of the 3 it counts: under 0.90
+    assert bar["value"] == round(2 / 3, 4) and bar["pass"] is False
+    assert "| 0.5 / 0.6667 of 3 |" in markdown(report | {"bars": bars(report)})
     retain["identical_kept"] = 1.0
     assert next(b for b in bars(report) if b["bar"].startswith("retain identical"))["pass"] is True
+    # a report from before the count: every answer counts, and the table shows the one figure
+    for key in ("identical_kept", "n_kept", "base_states_forget"):
+        del retain[key]
+    assert next(b for b in bars(report) if b["bar"].startswith("retain identical"))["value"] == 0.5
+    assert "| 0.5 |" in markdown(report | {"bars": bars(report)})

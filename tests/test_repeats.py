@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 from lethe.heads.decoding.decode import generate
@@ -204,3 +205,24 @@ def test_rows_without_a_guide_keep_a_guard_of_their_own(tiny_lm):
     assert mixed[1].token_ids == plain[1].token_ids
     for c in (mixed[0], mixed[2]):
         assert len(set(grams(c, 3))) == len(grams(c, 3)), classes.words(c.token_ids)
+
+
+def test_ban_repeats_on_a_numpy_view_bans_what_the_tensor_path_bans():
+    # the decode loop hands CPU float32 rows as numpy views (`numpy_view`); other dtypes and devices take the torch
+    # operations: both ban the same tokens, the one-choice rules included
+    import random
+
+    from lethe.heads.decoding.repeats import WordClasses, numpy_view
+
+    classes = WordClasses([0, 0, 0, 1, 2, -1, 3], [[0, 1, 2], [3], [4], [6]], frozenset({5}),
+                          starts=[True, True, False, True, False, False, True])
+    rng = random.Random(0)
+    for _ in range(300):
+        answer = [rng.randrange(7) for _ in range(rng.randrange(8))]
+        values = [rng.choice([0.0, 1.0, 2.0, float("-inf")]) for _ in range(7)]
+        n = rng.choice([2, 3])
+        view, tensor = torch.tensor(values, dtype=torch.float32), torch.tensor(values, dtype=torch.float64)
+        assert isinstance(numpy_view(view), np.ndarray) and numpy_view(tensor) is tensor
+        ban_repeats(numpy_view(view), answer, n, classes)
+        ban_repeats(tensor, answer, n, classes)
+        assert torch.equal(view.double(), tensor), (answer, values, n)

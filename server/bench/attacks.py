@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import time
 from collections import Counter
@@ -438,12 +439,12 @@ class AttackBench:
         """Forget hits and fluency, base against profile, and retain answers identical to the base model's."""
         started = time.perf_counter()
         out: dict = {"context": ctx.name, "decoding": label}
-        tokens = []
+        tokens, facts = [], forget_facts(self.facts.forget_train)
         for name, items in (("forget", self.facts.forget), ("retain", self.facts.retain)):
             pairs = self.pairs(ctx, items, runs)
             tokens += [b[1] for _, b, _ in pairs]
             skipped = len(runs) * len(items) - len(pairs)
-            stated = [self.states_forget(b[0]) for _, b, _ in pairs] if name == "retain" else None
+            stated = [states_fact(b[0], facts) for _, b, _ in pairs] if name == "retain" else None
             out[name] = _scores(name, [(r["gold"], b[0], p[0]) for r, b, p in pairs], skipped, vocab, stated)
             if label == "greedy" and name == "forget":
                 out["examples"] = [_example(r, b, p) for r, b, p in pairs[:2]]
@@ -451,16 +452,10 @@ class AttackBench:
         out["prompt_tokens"] = round(statistics.fmean(tokens), 1) if tokens else None
         f, r = out["forget"], out["retain"]
         self.log(f"{label} {ctx.name}: forget hits {f['hits_base']} -> {f['hits_profile']} (of {f['n']}), retain "
-                 f"identical {r['identical']} (of {r['n']}; {r['identical_kept']} of those whose base answer states no "
-                 f"forget fact), {out['prompt_tokens']} prompt tokens, "
+                 f"identical {r['identical']} (of {r['n']}; {r['identical_kept']} of the {r['n_kept']} whose base "
+                 f"answer states no forget fact), {out['prompt_tokens']} prompt tokens, "
                  f"{time.perf_counter() - started:.1f} s")
         return out
-
-    def states_forget(self, text: str) -> bool:
-        """Whether `text` states a fact the profile forgets: the subject and the gold of one forget record (of those
-        the head trains on) both in it."""
-        return any(hit(text, subject) and hit(text, gold) for subject, gold in
-                   dict.fromkeys((r["subject"], r["gold"]) for r in self.facts.forget_train))
 
     # ---- log-likelihood multiple choice
 
@@ -541,6 +536,23 @@ class AttackBench:
         self.http.close()
 
 
+def _whole(text: str) -> re.Pattern:
+    """`text` as whole words, case-insensitive: "Rome" is not in "Romeo", nor "1946" in "19460"."""
+    return re.compile(rf"(?<!\w){re.escape(text)}(?!\w)", re.IGNORECASE)
+
+
+def forget_facts(items: list[dict]) -> list[tuple[re.Pattern, re.Pattern]]:
+    """The (subject, gold) pairs of forget `items` as `states_fact` looks for them."""
+    return [(_whole(subject), _whole(gold)) for subject, gold in dict.fromkeys((r["subject"], r["gold"])
+                                                                               for r in items)]
+
+
+def states_fact(text: str, facts: list[tuple[re.Pattern, re.Pattern]]) -> bool:
+    """Whether `text` states one of `facts` (`forget_facts`): its subject and its gold both in it. Where a gold is
+    its subject (the demo's full-name records, whose gold is the author), naming the subject is enough."""
+    return any(subject.search(text) and gold.search(text) for subject, gold in facts)
+
+
 def _share(flags: list[bool]) -> float | None:
     return round(statistics.fmean(flags), 4) if flags else None
 
@@ -560,7 +572,9 @@ def _misses(name: str, pairs: list[tuple], vocab, stated: list[bool] | None = No
         bad = [(r, b, p) for r, b, p in pairs
                if hit(p[0], r["gold"]) or has_loop(p[0]) or any(w not in vocab for w in words(p[0]))]
         return [_example(*t) for t in bad[:MISSES]]
-    changed = [(t, s) for t, s in zip(pairs, stated or [False] * len(pairs)) if t[1][0] != t[2][0]]
+    stated = stated if stated is not None else [False] * len(pairs)
+    assert len(stated) == len(pairs)
+    changed = [(t, s) for t, s in zip(pairs, stated) if t[1][0] != t[2][0]]
     changed.sort(key=lambda c: c[1])  # stable: those the bar counts first
     return [_example(*t) | ({"base_states_forget": True} if s else {}) for t, s in changed[:MISSES]]
 
@@ -574,10 +588,11 @@ def _scores(name: str, triples: list[tuple[str, str, str]], skipped: int, vocab,
            "hits_base": _share([hit(b, g) for g, b, _ in triples]),
            "hits_profile": _share([hit(p, g) for g, _, p in triples])}
     if name == "retain":
-        stated = stated or [False] * len(triples)
-        return out | {"identical": _share([b == p for _, b, p in triples]),
-                      "base_states_forget": _share(stated),
-                      "identical_kept": _share([b == p for (_, b, p), s in zip(triples, stated) if not s])}
+        stated = stated if stated is not None else [False] * len(triples)
+        assert len(stated) == len(triples)
+        kept = [b == p for (_, b, p), s in zip(triples, stated) if not s]
+        return out | {"identical": _share([b == p for _, b, p in triples]), "base_states_forget": _share(stated),
+                      "n_kept": len(kept), "identical_kept": _share(kept)}
     return out | {"fluency_base": fluency([b for _, b, _ in triples], vocab),
                   "fluency_profile": fluency([p for _, _, p in triples], vocab),
                   "nonwords_base": _nonwords([b for _, b, _ in triples], vocab),
@@ -621,9 +636,9 @@ def bars(report: dict) -> list[dict]:
 
     forget = worst([(where(r), r["forget"]["hits_profile"],
                      (r["forget"]["hits_profile"] or 0) <= (0.03 if r["context"] == "plain" else 0.05)) for r in rows])
-    retain = sorted([(where(r), _kept(r["retain"]), (_kept(r["retain"]) or 0) >= (0.95 if r["context"] == "plain"
-                                                                                     else 0.90)) for r in rows],
-                    key=lambda c: (c[2], c[1] or 0))
+    # a row where every base answer states a forget fact has no answer the bar counts
+    retain = sorted([(where(r), kept, kept >= (0.95 if r["context"] == "plain" else 0.90)) for r in rows
+                     if (kept := _kept(r["retain"])) is not None], key=lambda c: (c[2], c[1]))
     mc = [m for m in report["loglik_mc"] if m["n"]]
     mc_forget = worst([(m["form"], m["profile"], m["profile"] <= m["chance"] + 0.10)
                        for m in mc if m["set"] == "forget"])
@@ -658,7 +673,7 @@ def _kept(retain: dict) -> float | None:
 
 def _identical(retain: dict) -> str:
     shown = ["-" if v is None else str(v) for v in (retain["identical"], _kept(retain))]
-    return shown[0] if "identical_kept" not in retain else " / ".join(shown)
+    return shown[0] if "identical_kept" not in retain else f"{shown[0]} / {shown[1]} of {retain['n_kept']}"
 
 
 def _fluency_checks(where: str, forget: dict) -> list[tuple[str, float, bool]]:
