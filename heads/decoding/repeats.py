@@ -152,10 +152,10 @@ class AnswerNgrams:
 def ban_repeats(scores: torch.Tensor | np.ndarray, answer: list[int], n: int, classes: WordClasses,
                 ngrams: AnswerNgrams | None = None) -> None:
     """In place on one row's (V,) scores (a tensor, or a numpy view of a CPU one: `numpy_view`): -inf for the tokens
-    whose word would repeat a word n-gram of `answer` (token ids) and the word-less tokens that would repeat an n-gram of the word-less run ending it, unless no finite
-    score would be left; then, as far as a finite score is left, for those that would say the answer's last one-token
-    word again right after it (`WordClasses.doubled`). `ngrams`: the answer's `AnswerNgrams` for this n, kept across
-    steps (None: read the whole answer)."""
+    whose word would repeat a word n-gram of `answer` (token ids) and the word-less tokens that would repeat an n-gram
+    of the word-less run ending it, unless no finite score would be left; then, as far as a finite score is left, for
+    those that would say the answer's last one-token word again right after it (`WordClasses.doubled`). `ngrams`: the
+    answer's `AnswerNgrams` for this n, kept across steps (None: read the whole answer)."""
     words = ngrams.bans(answer) if ngrams is not None else repeat_bans(classes.words(answer), n)
     banned = [t for w in words for t in classes.tokens_of[w]]
     run = classes.symbol_run(answer)
