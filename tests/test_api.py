@@ -156,8 +156,10 @@ def test_fluency_settings_and_abstention_through_profiles(live, tenant_a):
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["sticky_gate"] is True  # the default
     assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["sticky_gate"] is False
     assert a.put("/v1/profiles/unstuck", json={"head": head, "sticky_gate": False}).json()["spec"]["sticky_gate"] is False
-    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["flagged_mass"] == 0  # the default: off
-    assert a.put("/v1/profiles/massed", json={"head": head, "flagged_mass": 0.1}).json()["spec"]["flagged_mass"] == 0.1
+    assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["flagged_mass"] == 0.1  # the default
+    assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["flagged_mass"] == 0
+    assert a.put("/v1/profiles/massless", json={"head": head, "flagged_mass": 0}).json()["spec"]["flagged_mass"] == 0
+    assert a.put("/v1/profiles/massed", json={"head": head, "flagged_mass": 0.3}).json()["spec"]["flagged_mass"] == 0.3
     assert a.put("/v1/profiles/fluent", json={"head": head}).json()["spec"]["word_guard"] is True  # the default
     assert a.put("/v1/profiles/fluent", json={"head": head, "preset": "paper"}).json()["spec"]["word_guard"] is False
     assert a.put("/v1/profiles/unguarded", json={"head": head, "word_guard": False}).json()["spec"]["word_guard"] is False

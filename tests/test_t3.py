@@ -141,7 +141,7 @@ def test_import_reference_keeps_its_weights_and_formula(tiny_lm, tmp_path):
     head, info = import_reference(tmp_path / "ref", tiny_lm.fingerprint, d, vocab)
     assert info.profile == {**TiltSettings().as_dict(), "T": 2.5, "lam": 1.0, "gate": False, "sticky_gate": False,
                             "candidates": 0, "cap": None, "min_p": 0.0, "repeat_guard": 0,
-                            "word_guard": False, "whole_words": False}
+                            "word_guard": False, "whole_words": False, "flagged_mass": 0.0}
     pooled, logits = torch.randn(3, d), torch.randn(3, vocab)
     z_ref = pooled @ tensors["guidance_head.proj.0.weight"].T @ tensors["guidance_head.proj.2.weight"].T
     guide = HeadGuide.uniform(head, TiltSettings(**info.profile))

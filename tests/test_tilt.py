@@ -397,7 +397,10 @@ def test_flagged_mass_tilts_a_gated_row_only_where_a_flagged_token_is_likely(pat
 def test_flagged_mass_is_a_probability():
     from lethe.heads.t3.guide import TiltSettings
 
-    assert TiltSettings().flagged_mass == 0 and TiltSettings.from_dict({"flagged_mass": 0.1}).flagged_mass == 0.1
+    assert TiltSettings().flagged_mass == 0.1 and TiltSettings.from_dict({"flagged_mass": 0.3}).flagged_mass == 0.3
+    # a head's recommendation or a profile version stored while it was off by default (no key) keeps it off
+    stored = {k: v for k, v in TiltSettings().as_dict().items() if k != "flagged_mass"}
+    assert TiltSettings.from_dict(stored).flagged_mass == 0 and TiltSettings.from_dict({}).flagged_mass == 0
     for bad in (-0.1, 1, True, "0.1", float("nan")):
         with pytest.raises(ValueError, match="flagged_mass"):
             TiltSettings.from_dict({"flagged_mass": bad})

@@ -28,7 +28,7 @@ MAX_REPLY = 500
 
 # what settings stored without a key served with: a profile version or a head's recommendation written before the
 # setting existed serves as it did then (the new default applies to heads trained and profiles written since)
-STORED_BEFORE = {"word_guard": False}
+STORED_BEFORE = {"word_guard": False, "flagged_mass": 0.0}
 MAX_LOOKAHEAD = 16  # the word starts `whole_words` looks one token past (the best; the rest are dropped)
 
 
@@ -62,7 +62,7 @@ class TiltSettings:
     # (a retain question after forget turns) samples what the base model samples until a flagged token is likely.
     # The repeat guard still follows the gate. Generation only: log-likelihood scoring tilts every position the gate
     # lets in (a scored text may hold an unlikely flagged token). 0 = off (every step the gate lets in is tilted)
-    flagged_mass: float = 0.0
+    flagged_mass: float = 0.1
     abstain: str | None = None  # a reply (e.g. "I don't know.") for prompts the probe alone calls forget-like
     abstain_above: float = 0.9  # ... with P(forget | prompt) above this
     # ASU profiles with a head: decode with the adapter only where the probe's P(forget | prompt) is above this,
@@ -75,7 +75,8 @@ class TiltSettings:
     @classmethod
     def from_dict(cls, values: dict) -> "TiltSettings":
         """Settings as stored (a head file's recommendation, a profile); missing keys take defaults, but settings
-        stored before the word guard existed keep serving without it (`STORED_BEFORE`)."""
+        stored before the word guard existed keep serving without it, and those stored before `flagged_mass` was
+        on by default keep tilting every step the gate lets in (`STORED_BEFORE`)."""
         unknown = set(values) - set(cls.names())
         if unknown:
             raise ValueError(f"unknown profile settings: {', '.join(sorted(unknown))}")
@@ -138,7 +139,7 @@ class TiltSettings:
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
     "paper": TiltSettings(T=2.5, lam=1.0, gate=False, sticky_gate=False, candidates=0, cap=None, min_p=0.0,
-                          repeat_guard=0, word_guard=False, whole_words=False, abstain=None),
+                          repeat_guard=0, word_guard=False, whole_words=False, flagged_mass=0.0, abstain=None),
     "default": TiltSettings(),
 }
 
