@@ -142,9 +142,10 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
             gate = head.forget_probability(pooled[i:i + 1]) if s.gate else None
             want = tilt(logits[i:i + 1], head(pooled[i:i + 1]), one(s.T), one(s.lam), gate,
                         torch.tensor([s.candidates]), None if s.cap is None else one(s.cap),
-                        one(s.min_p) if s.min_p else None)
+                        one(s.min_p) if s.min_p else None, one(s.flagged_mass) if s.flagged_mass else None)
             assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), i
             torch.testing.assert_close(torch.softmax(got[i], -1), torch.softmax(want[0], -1))
+    assert any(not torch.equal(got[i], logits[i]) for i in range(rows))  # some row was tilted: the check compared tilts
 
 
 def test_whole_words_drops_the_starts_the_model_would_go_on_spelling_and_holds_the_flagged_under_what_is_left():
@@ -270,7 +271,8 @@ def test_a_sticky_gate_stays_open_for_the_rest_of_the_answer_once_it_opened(path
     head, direction = _probed_head(5)
     forget_like, retain_like = -direction * 2, direction * 2
     assert head.forget_probability(forget_like[None])[0] > 0.9 > 0.1 > head.forget_probability(retain_like[None])[0]
-    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}}[path]
+    # every step the gate lets in is tilted (flagged_mass off): these random logits need not hold a likely flagged token
+    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}}[path] | {"flagged_mass": 0.0}
     sticky, plain = TiltSettings(sticky_gate=True, **extra), TiltSettings(sticky_gate=False, **extra)
     guide = HeadGuide([(head, sticky), (head, plain)], fused=path == "fused")
     logits = torch.randn(2, 40) * 3
@@ -309,7 +311,8 @@ def test_the_head_gate_opens_a_row_the_probe_keeps_out_where_the_head_flags_the_
     logits[0, flagged], logits[1, free] = 5.0, 5.0  # row 0's likeliest token is flagged, row 1's is not
     threshold = float(-z[flagged]) - 0.5
     assert z[flagged] < -threshold < 0 < z[free]
-    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}, "scoring": {}}[path]
+    # flagged_mass off: the sticky step below holds no likely flagged token, and is still tilted
+    extra = {"fused": {}, "candidates": {}, "dense": {"candidates": 0}, "scoring": {}}[path] | {"flagged_mass": 0.0}
     for head_gate, opened in ((threshold, True), (0.0, False), (float(-z[flagged]) + 0.5, False)):
         settings = TiltSettings(head_gate=head_gate, **extra)
         with torch.inference_mode():
@@ -434,6 +437,32 @@ def test_flagged_mass_counts_the_rows_own_candidates_above_its_floor_over_the_wh
         out = HeadGuide(rows, fused=path == "fused")(logits, pooled)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[1], logits[1])
     assert not torch.equal(out[2], logits[2]) and out[2].argmax() == free
+
+
+@pytest.mark.parametrize("path", ["fused", "candidates"])
+def test_flagged_mass_reads_the_whole_vocabulary_where_the_candidates_alone_cannot_tell(path):
+    """A flagged token holds 0.58 of the three candidates' probability; the 37 other tokens hold either much (row 0,
+    each just under the third candidate's logit: the flagged token's share of the vocabulary is 0.066, under 0.1:
+    untouched) or little (row 1, at -4: 0.41, over 0.1: tilted). The CPU kernel bounds the softmax's denominator by
+    the likeliest tokens and sums the vocabulary only where the bounds disagree, as both rows make it."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    head, direction = _probed_head(3)
+    pooled = (-direction * 2)[None].repeat(2, 1)  # the gate is open
+    z = head(pooled)[0]
+    flagged, free = int(z.argmin()), int(z.argmax())
+    other = next(t for t in range(40) if t not in (flagged, free) and z[t] >= 0)
+    logits = torch.full((2, 40), -1.01)
+    logits[1] = -4.0
+    for row in (0, 1):
+        logits[row, flagged], logits[row, free], logits[row, other] = 0.0, -1.0, -1.0
+    p = torch.softmax(logits, -1)[:, flagged]
+    assert float(p[0]) < 0.1 < float(p[1])
+    with torch.inference_mode():
+        out = HeadGuide.uniform(head, TiltSettings(flagged_mass=0.1, candidates=3), fused=path == "fused")(logits,
+                                                                                                         pooled)
+    assert torch.equal(out[0], logits[0])
+    assert not torch.equal(out[1], logits[1]) and out[1].argmax() != flagged
 
 
 @pytest.mark.parametrize("path", ["fused", "candidates", "dense", "scoring"])

@@ -208,12 +208,19 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             for i in range(kb):
                 if z[i] < 0 and scores[i] > -np.inf:
                     flagged += math.exp(vals[i] - vals[0])
-            total = 1.0  # at least the best token's exp(0): below the threshold already, no pass over the vocabulary
-            if flagged >= settings[b, 7]:
+            # the softmax's denominator (relative to the best token) lies between the n likeliest tokens' sum and
+            # that sum plus every other token at the n-th's value: where both bounds give one verdict, no pass over
+            # the vocabulary (a forget-like step's flagged fact holds nearly all of it, a retain step nearly none)
+            top_sum = 0.0
+            for i in range(n):
+                top_sum += math.exp(vals[i] - vals[0])
+            low = flagged / (top_sum + (V - n) * math.exp(vals[n - 1] - vals[0]))
+            total = top_sum
+            if flagged / top_sum >= settings[b, 7] and low < settings[b, 7]:
                 total = 0.0
                 for v in range(V):
                     total += math.exp(logits[b, v] - vals[0])
-            if flagged / total < settings[b, 7]:  # not this step: the base logits (the gate's verdict stands)
+            if not flagged / total >= settings[b, 7]:  # not this step (nor a NaN row): the base logits
                 for v in range(V):
                     out[b, v] = logits[b, v]
                 continue
