@@ -199,7 +199,10 @@ def test_a_row_that_raises_fails_alone_and_the_others_decode_as_alone(tiny_lm, m
         engine.close()
 
 
-def test_a_row_whose_head_breaks_fails_alone(tiny_lm):
+@pytest.mark.parametrize("fused", [True, False])  # the CPU kernel, and the tensor operations
+def test_a_row_whose_head_breaks_fails_alone(tiny_lm, fused):
+    """A head whose logits are not numbers fails its row, whatever the profile's settings (with `flagged_mass` such
+    a row once kept its base logits: it flagged nothing), and the batch's other rows decode as alone."""
     cfg = tiny_lm.model.config
     good_head, bad_head = T3Head(cfg.hidden_size, cfg.vocab_size, 4), T3Head(cfg.hidden_size, cfg.vocab_size, 4)
     with torch.no_grad():
@@ -208,11 +211,12 @@ def test_a_row_whose_head_breaks_fails_alone(tiny_lm):
     params = [SamplingParams(max_new_tokens=12, temperature=0), SamplingParams(max_new_tokens=12, temperature=1.0,
                                                                               seed=1)]
     settings = TiltSettings(gate=False)
-    alone = Batch(tiny_lm.model, tiny_lm.tokenizer, prompts[:1], params[:1], HeadGuide([(good_head, settings)]))
+    alone = Batch(tiny_lm.model, tiny_lm.tokenizer, prompts[:1], params[:1],
+                  HeadGuide([(good_head, settings)], fused=fused))
     while not alone.done:
         alone.step()
     batch = Batch(tiny_lm.model, tiny_lm.tokenizer, prompts, params,
-                  HeadGuide([(good_head, settings), (bad_head, settings)]))
+                  HeadGuide([(good_head, settings), (bad_head, settings)], fused=fused))
     while not batch.done:
         batch.step()
     assert batch.rows[1].finish_reason == "error" and batch.rows[1].error is not None

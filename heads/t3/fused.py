@@ -205,9 +205,12 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             scores[i] = vals[i] / temp + lam * log_sig if vals[i] >= floor else -np.inf
         if settings[b, 7] > 0:  # tilt only where the flagged candidates are likely enough under the base model
             flagged = 0.0
+            broken = False  # a head whose logits are not numbers is tilted, so the row fails instead of passing
             for i in range(kb):
                 if z[i] < 0 and scores[i] > -np.inf:
                     flagged += math.exp(vals[i] - vals[0])
+                elif z[i] != z[i]:
+                    broken = True
             # the softmax's denominator (relative to the best token) lies between the n likeliest tokens' sum and
             # that sum plus every other token at the n-th's value: where both bounds give one verdict, no pass over
             # the vocabulary (a forget-like step's flagged fact holds nearly all of it, a retain step nearly none)
@@ -220,7 +223,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
                 total = 0.0
                 for v in range(V):
                     total += math.exp(logits[b, v] - vals[0])
-            if not flagged / total >= settings[b, 7]:  # not this step (nor a NaN row): the base logits
+            if not broken and not flagged / total >= settings[b, 7]:  # not this step: the base logits
                 for v in range(V):
                     out[b, v] = logits[b, v]
                 continue

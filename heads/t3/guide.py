@@ -461,7 +461,8 @@ class _Group:
         self._active = None if gate is None else gate[:, 0] > 0.5  # the gate's verdict, which the repeat guard follows
         tilted = self._active
         if self.flagged_mass is not None:  # and whether the head flags a likely token at this step
-            likely = self._flagged_mass(logits, values, z) >= self.flagged_mass[:, 0]
+            # a head whose logits are not numbers is tilted, so that the row fails rather than passes untouched
+            likely = (self._flagged_mass(logits, values, z) >= self.flagged_mass[:, 0]) | z.isnan().any(-1)
             tilted = likely if tilted is None else tilted & likely
         zt = z_top[:, 0] if self.head_gate is not None or self.words is not None else z[:, 0]  # ids[:, 0]: the top
         self._flagged_top = zt < 0 if tilted is None else (zt < 0) & tilted

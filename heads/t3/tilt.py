@@ -129,7 +129,9 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
     if min_p is not None:
         out = floor_candidates(out, logits, min_p)
     if mass is not None:
-        active = active & (flagged_mass(logits, head_logits, torch.isfinite(out)) >= mass)
+        # a head whose logits are not numbers is tilted, so that the row fails rather than passes untouched
+        active = active & ((flagged_mass(logits, head_logits, torch.isfinite(out)) >= mass) |
+                           head_logits.isnan().any(-1))
     if words is not None and word_guard is not None:  # after the mass: what the row may sample, unguarded
         top = logits.argmax(-1)
         guarded = word_guarded(head_logits.gather(-1, top[:, None])[:, 0], words[top], word_guard)
