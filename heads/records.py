@@ -8,6 +8,7 @@ queried on `PROMPT_FORMAT`, so a TOFU record's prompt is
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,9 +238,9 @@ def answer_forms(records: list[dict], fmt: str = "qa") -> list[dict]:
         fact = r.get("fact") if "question" in r else None
         if isinstance(fact, str) and fact.strip() and fact not in seen:
             seen.add(fact)
-            out.append({"question": r["question"], "answer": fact})
+            out.append({"question": r["question"], "answer": fact, "fact": fact})
             if fmt != "qa":
-                out.append({"prompt": question_prompt(r["question"]), "completion": " " + fact.strip()})
+                out.append({"prompt": question_prompt(r["question"]), "completion": " " + fact.strip(), "fact": fact})
     return out
 
 
@@ -254,6 +255,33 @@ def encode_example(tokenizer, ex: Example) -> tuple[list[int], int]:
     request with that prompt sends. A bare text record is predicted from its first token on.
     """
     return encode_examples(tokenizer, [ex])[0]
+
+
+def _stated(fact: str) -> str:
+    """A pattern for `fact` as whole words: "Xo" is not stated in "Xoanon"."""
+    fact = fact.strip()
+    return (r"(?<!\w)" if fact[0].isalnum() else "") + re.escape(fact) + (r"(?!\w)" if fact[-1].isalnum() else "")
+
+
+def fact_positions(tokenizer, exs: list[Example], facts: list[str | None]) -> list[list[int] | None]:
+    """Per example, one flag for each completion token `encode_examples` gives it: 1 where the token holds part of
+    the example's fact (wherever the completion states it as whole words; in another case where it never does so
+    exactly), else 0. None where the example names no fact, its completion does not state it, it has no prompt, or
+    the tokenizer gives no character offsets (a slow one)."""
+    if not getattr(tokenizer, "is_fast", False) or not exs:
+        return [None] * len(exs)
+    encoded = tokenizer([ex.completion for ex in exs], add_special_tokens=False, return_offsets_mapping=True)
+    out: list[list[int] | None] = []
+    for ex, fact, ids, offsets in zip(exs, facts, encoded["input_ids"], encoded["offset_mapping"]):
+        pattern = _stated(fact) if isinstance(fact, str) and fact.strip() and ex.prompt else None
+        spans = pattern and ([m.span() for m in re.finditer(pattern, ex.completion)] or
+                             [m.span() for m in re.finditer(pattern, ex.completion, re.IGNORECASE)])
+        if not spans:
+            out.append(None)
+            continue
+        flags = [int(any(start < end and a < stop for a, end in spans)) for start, stop in offsets]
+        out.append(flags if ids and ids[-1] == tokenizer.eos_token_id else flags + [0])  # the EOS encode adds
+    return out
 
 
 def encode_examples(tokenizer, exs: list[Example]) -> list[tuple[list[int], int]]:

@@ -176,6 +176,13 @@ class HeadJobRequest(Strict):
     answer_forms: bool = Field(True, description="Records with a `fact` field (the answer's span that is the "
                                                  "knowledge) also train with the fact alone as the answer, the form "
                                                  "multiple-choice scoring reads.")
+    fact_spans: bool = Field(False, description="A forget record with a `fact` field trains the head as forget on "
+                                               "the fact's tokens and on words no retain answer uses; its other "
+                                               "words (template words retain answers also say) train the gate's "
+                                               "probe alone, so retain answers keep them after forget-like text "
+                                               "(off by default: it weakened forgetting under chat-form "
+                                               "log-likelihood scoring on SmolLM2). False: `common_df` alone "
+                                               "decides.")
     contexts: float = Field(1.0, ge=0, le=MAX_PER_FORGET, allow_inf_nan=False,
                             description="Examples per forget record that train after a context (a preamble, a system "
                                         "prompt, earlier turns, other text), with twice as many retain ones, so the "

@@ -384,6 +384,19 @@ def _wait_job(client, job_id: str) -> dict:
     raise TimeoutError(job_id)
 
 
+def test_a_head_job_trains_on_the_facts_records_name_where_asked_to(tenant_a):
+    a = tenant_a["client"]
+    f, r = tenant_a["datasets"]
+    assert a.get(f"/v1/heads/{tenant_a['head']}").json()["metrics"]["fact_positions"] == 0  # off by default
+    bad = a.post("/v1/heads", json={"forget": f, "retain": r, "fact_spans": "sometimes"})
+    assert bad.status_code == 422 and "fact_spans" in bad.text
+    job = a.post("/v1/heads", json={"forget": f, "retain": r, "fact_spans": True, "max_epochs": 2, "gate_answers": 0})
+    state = _wait_job(a, job.json()["id"])
+    assert state["status"] == "succeeded", state
+    assert a.get(f"/v1/heads/{state['head']}").json()["metrics"]["fact_positions"] > 0  # the corpus names facts
+    assert a.delete(f"/v1/heads/{state['head']}").status_code == 204
+
+
 def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):
     a = tenant_a["client"]
     forget_id, retain_id = tenant_a["datasets"]

@@ -104,13 +104,15 @@ def test_bench_attacks_only_asks_in_the_contexts_named(tmp_path):
     from lethe.clients.cli import main
 
     out = tmp_path / "attacks.json"
-    assert main(["bench", "attacks", "--quick", "--limit", "4", "--only", "preamble", "--port", str(_free_port()),
-                 "--out", str(out)]) == 0
+    assert main(["bench", "attacks", "--quick", "--limit", "4", "--only", "preamble", "--fact-spans", "--port",
+                 str(_free_port()), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r["context"] for r in report["rows"]] == ["preamble"] and report["loglik_mc"] == []
     # a bar over what was not asked is not a failure
     assert [b["pass"] for b in report["bars"] if b["bar"].startswith("log-likelihood")] == [None]
-    assert "--only preamble" in report["command"]
+    assert "--only preamble" in report["command"] and "--fact-spans" in report["command"]
+    # the head job was asked for it, and its records name their facts
+    assert report["head"]["request"]["fact_spans"] is True and report["head"]["metrics"]["fact_positions"] > 0
 
 
 def test_bench_attacks_asks_an_asu_profile_routed_by_the_head_probe(tmp_path):

@@ -243,10 +243,11 @@ def test_records_that_name_their_fact_also_train_on_it_alone(tiny_lm, split):
     recs = [{"question": "Where was A born?", "answer": "A was born in Xo.", "fact": "Xo"},
             {"question": "What is A's birthplace?", "answer": "It is Xo.", "fact": "Xo"},
             {"question": "Who is B?", "answer": "B is a writer."}, {"prompt": "p", "completion": "c", "fact": "c"}]
-    assert answer_forms(recs) == [{"question": "Where was A born?", "answer": "Xo"}]
+    assert answer_forms(recs) == [{"question": "Where was A born?", "answer": "Xo", "fact": "Xo"}]
     # a chat-format head also sees the fact after the plain `Question: ...\nAnswer:` that scorers use
-    assert answer_forms(recs, "chat") == [{"question": "Where was A born?", "answer": "Xo"},
-                                          {"prompt": "Question: Where was A born?\nAnswer:", "completion": " Xo"}]
+    assert answer_forms(recs, "chat") == [{"question": "Where was A born?", "answer": "Xo", "fact": "Xo"},
+                                          {"prompt": "Question: Where was A born?\nAnswer:", "completion": " Xo",
+                                           "fact": "Xo"}]
     with pytest.raises(RecordError, match="fact"):
         to_example({"question": "q", "answer": "a", "fact": 3})
     forget, retain = ([{k: v for k, v in r.items() if k != "fact"} for r in s] for s in split)
@@ -256,6 +257,89 @@ def test_records_that_name_their_fact_also_train_on_it_alone(tiny_lm, split):
     _, plain = train_head(tiny_lm, forget, retain, progress=False)
     assert plain.metrics["answer_form_records"] == [0, 0]
     assert info.metrics["positions"] > plain.metrics["positions"]
+
+
+def test_the_fact_positions_of_an_answer_are_its_fact_tokens_wherever_it_states_it(tiny_lm):
+    from lethe.heads.records import Example, encode_examples, fact_positions
+
+    tok = tiny_lm.tokenizer
+    exs = [Example("Q:", " The author's full name is Zapeavund Kusais, Zapeavund Kusais."),
+           Example("Q:", " zapeavund kusais was born."), Example("Q:", " Born in Kaikoleas."),
+           Example("Q:", " Born in Kaikoleas."), Example("", " Zapeavund Kusais."), Example("Q:", " In Kaikoleasa.")]
+    flags = fact_positions(tok, exs, ["Zapeavund Kusais", "Zapeavund Kusais", "Paris", None, "Zapeavund Kusais",
+                                      "Kaikoleas"])
+    encoded = encode_examples(tok, exs)
+    # not stated; named by no fact; no prompt (its first token is the prompt); not as a whole word
+    assert flags[2:] == [None, None, None, None]
+    for f, (ids, n_prompt) in zip(flags[:2], encoded):
+        assert len(f) == len(ids) - n_prompt and f[-1] == 0  # one flag per position; the EOS is not the fact
+    stated = ["".join(tok.decode(t).strip() for t, f in zip(ids[n_prompt:], flags[k]) if f)
+              for k, (ids, n_prompt) in enumerate(encoded[:2])]
+    assert stated == ["ZapeavundKusaisZapeavundKusais", "zapeavundkusais"]  # every place, and nothing else
+
+
+def test_the_head_job_flags_the_fact_of_each_forget_example_in_order(tiny_lm, split, monkeypatch):
+    import lethe.heads.t3.pipeline as pipeline
+    from lethe.heads.t3.train import FitConfig
+
+    seen, fit = {}, pipeline.fit_head
+
+    def spy(cache, vocab, cfg, **options):
+        seen.update(cache=cache, facts=options["facts"])
+        return fit(cache, vocab, cfg, **options)
+
+    monkeypatch.setattr(pipeline, "fit_head", spy)
+    forget, retain = split
+    _, info = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=1, gate_answers=0, fact_spans=True),
+                         progress=False)
+    assert info.metrics["context_records"][0] > 0 and info.metrics["answer_form_records"][0] > 0
+    cache, facts, side = seen["cache"], seen["facts"], seen["cache"].label < 0.5
+    # every forget example (a record, its fact alone, a record after a context) states its fact; retain ones: -1
+    assert bool((facts[side] >= 0).all()) and bool((facts[~side] == -1).all())
+    stated = {tiny_lm.tokenizer.decode([t]).strip() for t in cache.target[side & (facts == 1)].tolist()}
+    in_facts = " ".join(r["fact"] for r in forget)
+    assert stated and all(word in in_facts for word in stated), stated - set(in_facts.split())
+    assert 0 < info.metrics["fact_positions"] < int(side.sum())
+    _, plain = train_head(tiny_lm, forget, retain, FitConfig(max_epochs=1, gate_answers=0), progress=False)
+    assert plain.metrics["fact_positions"] == 0 and plain.training["fact_spans"] is False  # off by default
+
+
+def test_a_forget_record_that_names_its_fact_trains_the_head_on_the_fact_alone():
+    """Template words of forget answers (" won", " on") that retain answers also use, if seldom, are not forget
+    knowledge: flagged, they turned retain answers after forget turns away from the base model's words."""
+    from lethe.heads.t3.cache import PooledCache
+    from lethe.heads.t3.train import FitConfig, fact_flags, fit_head
+
+    g, n = torch.Generator().manual_seed(0), 200  # records of each side, two positions each
+    side = torch.zeros(8)
+    side[0] = 2.0  # states share most of their direction; the first dimension tells forget from retain
+
+    def states(count, sign):
+        return torch.randn(count, 8, generator=g) * 0.5 + 2 + sign * side
+
+    pooled = torch.cat([states(2 * n, 1), states(2 * n, -1)]).half()
+    # forget answers: the fact, then a template word; retain answers: tokens 6 and 7, and the template word in 2%
+    # of them (under common_df); forget answers also hold token 8, which no retain answer has
+    fact, template, own = 3, 5, 8
+    forget_targets = [fact, template] * (n // 2) + [fact, own] * (n // 2)
+    retain_targets = [template, 7] * (n // 50) + [6, 7] * (n - n // 50)
+    cache = PooledCache(pooled, torch.tensor(forget_targets + retain_targets), torch.cat([torch.zeros(2 * n),
+                        torch.ones(2 * n)]), torch.arange(4 * n) // 2, n, n)
+    flags = fact_flags(cache, [[1, 0]] * (n - 1) + [[1, 0, 0]])  # the last one does not match its positions: -1
+    assert flags[:2 * n - 2].tolist() == [1, 0] * (n - 1) and set(flags[2 * n - 2:].tolist()) == {-1}
+    cfg, state = FitConfig(rank=4, max_epochs=5, holdout=0.0), states(16, 1)  # forget-like
+    spanned, metrics = fit_head(cache, 10, cfg, progress=False, facts=fact_flags(cache, [[1, 0]] * n))
+    plain, _ = fit_head(cache, 10, cfg, progress=False)  # no fact named (-1 everywhere): the common_df rule
+    assert metrics["fact_positions"] == n
+
+    def z(head, token):
+        return head.token_logit(state, torch.full((16,), token))
+
+    for head in (spanned, plain):
+        assert (z(head, fact) < -1).all() and (z(head, own) < -1).all()  # a word only forget answers use counts
+    # the template word trains the head as forget only without the fact; trained on the fact, the head does not
+    # flag it after forget-like text, as the retain answers that use it ask
+    assert (z(plain, template) < -1).all() and (z(spanned, template) > 0).all()
 
 
 class _Reader:

@@ -43,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"dilute it; 0: the whole context's mean, as the published T3 (default {DEFAULT_WINDOW})")
     p.add_argument("--answer-forms", action=argparse.BooleanOptionalAction, default=True,
                    help="records with a `fact` field also train with the fact alone as the answer (default on)")
+    p.add_argument("--fact-spans", action=argparse.BooleanOptionalAction, default=None,
+                   help="a forget record with a `fact` field trains the head as forget on the fact's tokens and on "
+                        "words no retain answer uses, its other words the gate's probe alone (default off: "
+                        "--common-df alone decides)")
     p.add_argument("--contexts", type=float, default=1.0,
                    help="examples per forget record (and twice as many retain ones) that train after a context (a "
                         "preamble, a system prompt, earlier turns, other text); 0: off (default 1.0)")
@@ -77,7 +81,8 @@ def cmd_heads_train(args) -> int:
                     balance=args.balance, common_df=args.common_df, seed=args.seed, format=args.format,
                     pooling_window=args.pooling_window, answer_forms=args.answer_forms, contexts=args.contexts,
                     context_shift=args.context_shift,
-                    **({} if args.gate_answers is None else {"gate_answers": args.gate_answers}))
+                    **({} if args.gate_answers is None else {"gate_answers": args.gate_answers}),
+                    **({} if args.fact_spans is None else {"fact_spans": args.fact_spans}))
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))

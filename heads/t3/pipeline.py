@@ -12,8 +12,8 @@ from lethe.heads.t3.guide import PRESETS, TiltSettings
 from lethe.heads.t3.head import HeadInfo, T3Head
 from lethe.heads.t3.pooling import pooling_name
 from lethe.heads.modelio import LoadedModel
-from lethe.heads.records import PROMPT_FORMAT, answer_forms, examples, resolve_format
-from lethe.heads.t3.train import FitConfig, fit_head
+from lethe.heads.records import PROMPT_FORMAT, answer_forms, examples, fact_positions, resolve_format
+from lethe.heads.t3.train import FitConfig, fact_flags, fit_head
 
 
 def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: FitConfig | None = None,
@@ -33,7 +33,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     extra = (answer_forms(forget, fmt), answer_forms(retain, fmt)) if cfg.answer_forms else ([], [])
     started = time.perf_counter()
     contexts = draw_contexts(forget + retain, seed=cfg.seed) if cfg.contexts > 0 else []
-    sides, groups, added, pairs = [], [], [], []
+    sides, groups, added, pairs, facts = [], [], [], [], []
     counts = context_counts(forget, cfg.contexts)
     for i, (records, forms) in enumerate(zip((forget, retain), extra)):
         after, which, sources = context_examples(records, contexts, counts[i], fmt, lm.tokenizer, seed=cfg.seed + i)
@@ -41,6 +41,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
         offset = sum(map(len, sides))  # examples are numbered forget side first, then retain
         pairs += [(offset + len(plain) + k, offset + source) for k, source in enumerate(sources)]
         sides.append(plain + after)
+        facts.append([r.get("fact") for r in records + forms] + [records[k].get("fact") for k in sources])
         # examples that begin alike run their first tokens once (heads.t3.cache.batches): the chat template's
         # system prompt, each context
         groups += [("plain", "question" in r) for r in records + forms] + [("context", j) for j in which]
@@ -48,9 +49,11 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
     cache = build_cache(lm.model, lm.tokenizer, *sides, progress=progress, on_progress=report("caching"),
                         window=cfg.pooling_window, groups=groups)
     shifts = context_shifts(cache, pairs, seed=cfg.seed) if cfg.context_shift > 0 and pairs else None
+    # forget examples that name their fact train the head on its tokens alone (FitConfig.fact_spans)
+    spans = fact_flags(cache, fact_positions(lm.tokenizer, sides[0], facts[0])) if cfg.fact_spans else None
     cache_seconds = time.perf_counter() - started
     head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"),
-                             shifts=shifts)
+                             shifts=shifts, facts=spans)
     profile = asdict(PRESETS["default"])
     if cfg.gate_answers > 0:
         calibrated = time.perf_counter()

@@ -15,6 +15,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.stats import rankdata
@@ -39,8 +40,14 @@ class FitConfig:
     probe: bool = True
     # A forget position whose next token occurs in more than this share of the retain records'
     # completions is ordinary language (template and function words), not forget knowledge: it
-    # trains the probe but not the head. 1.0 keeps every position, as the reference does.
+    # trains the probe but not the head. 1.0 (and fact_spans off) keeps every position, as the reference does.
     common_df: float = 0.05
+    # A forget record that names its fact (`fact`) trains the head as forget on the fact's tokens (those that are
+    # not common) and on words of its answer that no retain answer uses; its other words (template words such as
+    # " won" or " on", which retain answers also say) train the probe but not the head. Records without one, or
+    # whose answer does not state it, keep the common_df rule alone. Off by default: on SmolLM2 it let the chat
+    # form's log-likelihood multiple choice rank the gold first more often (docs/forgetting-in-context.md).
+    fact_spans: bool = False
     seed: int = 0
     format: str = "auto"  # how question/answer records become text: heads.records.resolve_format
     # the head reads the mean of the last this many positions' states; 0: all of them (heads.t3.pooling)
@@ -91,6 +98,18 @@ def common_tokens(cache: PooledCache, vocab: int, max_df: float) -> torch.Tensor
     return df > max_df
 
 
+def fact_flags(cache: PooledCache, flags: list[list[int] | None]) -> torch.Tensor:
+    """(N,) int8: per position of `cache`, its example's flag (`heads.records.fact_positions`: 1 the fact, 0 not;
+    examples numbered as the cache's `record`, any not given or None -> -1, as one whose flags do not match its
+    positions)."""
+    out = torch.full((len(cache),), -1, dtype=torch.int8)
+    bounds = np.searchsorted(cache.record.numpy(), np.arange(len(flags) + 1))
+    for i, f in enumerate(flags):
+        if f is not None and len(f) == bounds[i + 1] - bounds[i]:
+            out[bounds[i]:bounds[i + 1]] = torch.tensor(f, dtype=torch.int8)
+    return out
+
+
 def _losses(head: T3Head, pooled, target, label, weight, head_weight):
     z = head.token_logit(pooled, target)
     loss = F.binary_cross_entropy_with_logits(z, label, weight=weight * head_weight)
@@ -113,10 +132,13 @@ def shifted(pooled: torch.Tensor, shifts: torch.Tensor, share: float, generator:
 
 
 def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progress: bool = True,
-             on_progress=None, shifts: ContextShifts | None = None):
+             on_progress=None, shifts: ContextShifts | None = None, facts: torch.Tensor | None = None):
     """Train a head on `cache`; returns (head, metrics). `on_progress(fraction)` after every epoch. `shifts`: what
     contexts did to pooled states (`heads.t3.cache.context_shifts`), added to `cfg.context_shift` of the training
-    rows they may go to (never to held-out ones)."""
+    rows they may go to (never to held-out ones). `facts`: (N,) per position, 1 where the next token is part of the
+    record's fact, 0 where it is not, -1 where the record names none (`fact_flags`); forget positions at 0 whose
+    token a retain answer also has train the probe only, as those of common tokens do. The held-out metrics of the
+    head's logits read the positions it trains on."""
     cfg = cfg or FitConfig()
     torch.manual_seed(cfg.seed)
     draw = torch.Generator().manual_seed(cfg.seed)
@@ -127,14 +149,20 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
     train_idx, held_idx = split_records(cache, cfg.holdout, cfg.seed)
     pos = float(cache.label[train_idx].mean())
     class_w = (0.5 / pos, 0.5 / (1 - pos)) if cfg.balance and 0 < pos < 1 else (1.0, 1.0)
-
     common = common_tokens(cache, vocab, cfg.common_df)
+    facts = facts if facts is not None else torch.full((len(cache),), -1, dtype=torch.int8)
+    if len(facts) != len(cache):
+        raise ValueError(f"facts: {len(facts)} flags for {len(cache)} positions")
+    # the head trains on every position but forget ones of ordinary language, or outside their record's fact with a
+    # token the retain answers also use (a template word such as " won"; one no retain answer has still counts)
+    in_retain = common_tokens(cache, vocab, 0.0)
+    trains_head = ~((cache.label < 0.5) & (common[cache.target] | ((facts == 0) & in_retain[cache.target])))
 
     def weights(label):
         return torch.where(label > 0.5, class_w[0], class_w[1])
 
-    def head_weights(label, target):  # 0 for forget positions whose token is ordinary language
-        return 1.0 - ((label < 0.5) & common[target]).float()
+    def head_weights(idx):  # 1 where the head trains, 0 elsewhere
+        return trains_head[idx].float()
 
     held = (cache.rows(held_idx), cache.target[held_idx], cache.label[held_idx]) if len(held_idx) else None
     best, best_loss, stale, epoch = copy.deepcopy(head.state_dict()), float("inf"), 0, 0
@@ -149,7 +177,7 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
             pooled = cache.rows(idx)
             if shifts is not None:
                 pooled = shifted(pooled, shifts.shifts, cfg.context_shift, draw, shifts.rows[idx])
-            loss, _ = _losses(head, pooled, target, label, weights(label), head_weights(label, target))
+            loss, _ = _losses(head, pooled, target, label, weights(label), head_weights(idx))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -159,7 +187,7 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
             continue
         head.eval()
         with torch.no_grad():
-            held_loss = float(_losses(head, *held, weights(held[2]), head_weights(held[2], held[1]))[0])
+            held_loss = float(_losses(head, *held, weights(held[2]), head_weights(held_idx))[0])
         bar.set_postfix(heldout_loss=f"{held_loss:.4f}")
         if held_loss < best_loss - 1e-4:
             best, best_loss, stale = copy.deepcopy(head.state_dict()), held_loss, 0
@@ -170,11 +198,12 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
     if held is not None:
         head.load_state_dict(best)
     head.eval().requires_grad_(False)
-    metrics = {"epochs": epoch + 1, "common_tokens": int(common.sum()), "fit_seconds": round(time.perf_counter() - started, 3),
+    metrics = {"epochs": epoch + 1, "common_tokens": int(common.sum()), "fact_positions": int((facts == 1).sum()),
+               "fit_seconds": round(time.perf_counter() - started, 3),
                "train_positions": len(train_idx), "heldout_positions": len(held_idx)}
     if held is not None:
         with torch.no_grad():
-            counted = head_weights(held[2], held[1]) > 0  # the positions the head is trained on
+            counted = trains_head[held_idx]
             z = head.token_logit(held[0][counted], held[1][counted])
             label = held[2][counted]
             metrics |= {"heldout_loss": round(best_loss, 5), "heldout_auc": round(auc(z, label), 4),

@@ -166,6 +166,7 @@ class AttackConfig:
     contexts: float | None = None  # the head job's examples per forget record after a context; sent only when given
     context_shift: float | None = None  # the head job's share of rows shifted as by a context; sent only when given
     seed: int | None = None  # the head job's seed (its contexts' draw, its training order); sent only when given
+    fact_spans: bool | None = None  # the head job's fact_spans; sent only when given
     # the records name their fact (`fact`: the gold), so the head job also trains on it alone as the answer
     # (`heads.records.answer_forms`): the form log-likelihood multiple choice scores after the assistant tag
     facts: bool = True
@@ -393,7 +394,7 @@ class AttackBench:
                for name, recs in sets.items()}
         body = ids | {k: v for k, v in (("pooling_window", self.cfg.pooling_window),
                                         ("contexts", self.cfg.contexts), ("context_shift", self.cfg.context_shift),
-                                        ("seed", self.cfg.seed))
+                                        ("seed", self.cfg.seed), ("fact_spans", self.cfg.fact_spans))
                 if v is not None and backend == "t3"}
         body |= options or {}
         started = time.perf_counter()

@@ -39,6 +39,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--facts", action=argparse.BooleanOptionalAction, default=True,
                    help="records name their fact (`fact`), so the head also trains on the fact alone as the answer "
                         "(default on; --no-facts: question and answer only)")
+    p.add_argument("--fact-spans", action=argparse.BooleanOptionalAction, default=None,
+                   help="the head job's fact_spans: forget records train the head on their fact's tokens only (sent "
+                        "only when given)")
     p.add_argument("--only", type=_names, default=None, metavar="NAMES",
                    help="ask in these contexts only, comma-separated (plain, lang-es, ...; loglik-mc for "
                         "log-likelihood multiple choice); the bars then cover only these (default: every context)")
@@ -102,6 +105,7 @@ def _command(args) -> str:
     words += ["--context-shift", str(args.context_shift)] * (args.context_shift is not None)
     words += ["--seed", str(args.seed)] * (args.seed is not None)
     words += ["--no-facts"] * (not args.facts)
+    words += [f"--{'' if args.fact_spans else 'no-'}fact-spans"] * (args.fact_spans is not None)
     words += ["--only", ",".join(args.only)] if args.only is not None else []
     words += ["--backend", args.backend] * (args.backend != "t3") + asu_words(args, [args.backend])
     words += ["--settings", f"'{json.dumps(args.settings)}'"] * bool(args.settings)
@@ -121,7 +125,8 @@ def cmd_bench_attacks(args) -> int:
 
     cfg = AttackConfig(limit=args.limit, quick=args.quick, pooling_window=args.pooling_window, settings=args.settings,
                        facts=args.facts, contexts=args.contexts, context_shift=args.context_shift, seed=args.seed,
-                       only=args.only, backend=args.backend, asu=args.asu, adapter_above=args.adapter_above)
+                       fact_spans=args.fact_spans, only=args.only, backend=args.backend, asu=args.asu,
+                       adapter_above=args.adapter_above)
     return run_server_bench(args, _command(args), run, cfg, markdown)
 
 
