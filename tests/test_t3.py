@@ -340,6 +340,9 @@ def test_a_forget_record_that_names_its_fact_trains_the_head_on_the_fact_alone()
     # the template word trains the head as forget only without the fact; trained on the fact, the head does not
     # flag it after forget-like text, as the retain answers that use it ask
     assert (z(plain, template) < -1).all() and (z(spanned, template) > 0).all()
+    # records that name no fact (-1) keep the common_df rule: the template word of theirs trains as forget
+    unnamed = fact_flags(cache, [None] * (n // 2) + [[1, 0]] * (n - n // 2))
+    assert (z(fit_head(cache, 10, cfg, progress=False, facts=unnamed)[0], template) < -1).all()
 
 
 class _Reader:

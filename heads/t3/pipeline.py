@@ -41,7 +41,8 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
         offset = sum(map(len, sides))  # examples are numbered forget side first, then retain
         pairs += [(offset + len(plain) + k, offset + source) for k, source in enumerate(sources)]
         sides.append(plain + after)
-        facts.append([r.get("fact") for r in records + forms] + [records[k].get("fact") for k in sources])
+        if i == 0:  # the forget side's facts (FitConfig.fact_spans)
+            facts = [r.get("fact") for r in records + forms] + [records[k].get("fact") for k in sources]
         # examples that begin alike run their first tokens once (heads.t3.cache.batches): the chat template's
         # system prompt, each context
         groups += [("plain", "question" in r) for r in records + forms] + [("context", j) for j in which]
@@ -50,7 +51,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
                         window=cfg.pooling_window, groups=groups)
     shifts = context_shifts(cache, pairs, seed=cfg.seed) if cfg.context_shift > 0 and pairs else None
     # forget examples that name their fact train the head on its tokens alone (FitConfig.fact_spans)
-    spans = fact_flags(cache, fact_positions(lm.tokenizer, sides[0], facts[0])) if cfg.fact_spans else None
+    spans = fact_flags(cache, fact_positions(lm.tokenizer, sides[0], facts)) if cfg.fact_spans else None
     cache_seconds = time.perf_counter() - started
     head, metrics = fit_head(cache, lm.model.config.vocab_size, cfg, progress=progress, on_progress=report("fitting"),
                              shifts=shifts, facts=spans)

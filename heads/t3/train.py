@@ -150,13 +150,14 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
     pos = float(cache.label[train_idx].mean())
     class_w = (0.5 / pos, 0.5 / (1 - pos)) if cfg.balance and 0 < pos < 1 else (1.0, 1.0)
     common = common_tokens(cache, vocab, cfg.common_df)
-    facts = facts if facts is not None else torch.full((len(cache),), -1, dtype=torch.int8)
-    if len(facts) != len(cache):
-        raise ValueError(f"facts: {len(facts)} flags for {len(cache)} positions")
     # the head trains on every position but forget ones of ordinary language, or outside their record's fact with a
     # token the retain answers also use (a template word such as " won"; one no retain answer has still counts)
-    in_retain = common_tokens(cache, vocab, 0.0)
-    trains_head = ~((cache.label < 0.5) & (common[cache.target] | ((facts == 0) & in_retain[cache.target])))
+    outside = torch.zeros(len(cache), dtype=torch.bool)
+    if facts is not None:
+        if len(facts) != len(cache):
+            raise ValueError(f"facts: {len(facts)} flags for {len(cache)} positions")
+        outside = (facts == 0) & common_tokens(cache, vocab, 0.0)[cache.target]
+    trains_head = ~((cache.label < 0.5) & (common[cache.target] | outside))
 
     def weights(label):
         return torch.where(label > 0.5, class_w[0], class_w[1])
@@ -198,7 +199,7 @@ def fit_head(cache: PooledCache, vocab: int, cfg: FitConfig | None = None, progr
     if held is not None:
         head.load_state_dict(best)
     head.eval().requires_grad_(False)
-    metrics = {"epochs": epoch + 1, "common_tokens": int(common.sum()), "fact_positions": int((facts == 1).sum()),
+    metrics = {"epochs": epoch + 1, "common_tokens": int(common.sum()), "fact_positions": 0 if facts is None else int((facts == 1).sum()),
                "fit_seconds": round(time.perf_counter() - started, 3),
                "train_positions": len(train_idx), "heldout_positions": len(held_idx)}
     if held is not None:
