@@ -40,6 +40,10 @@ class PooledCache:
     def __len__(self) -> int:
         return len(self.target)
 
+    def bounds(self) -> np.ndarray:
+        """(records + 1,): record i's positions are bounds[i]:bounds[i + 1] (positions are in record order)."""
+        return np.searchsorted(self.record.numpy(), np.arange(self.n_forget + self.n_retain + 1))
+
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Pooled states of some positions as a float32 tensor."""
         if isinstance(self.pooled, torch.Tensor):
@@ -256,7 +260,7 @@ def context_shifts(cache: PooledCache, pairs: list[tuple[int, int]], seed: int =
     tokens, so position t of one faces position t of the other. Pairs whose answers tokenised to different lengths
     are left out; at most MAX_SHIFTS rows, drawn at random. The positions of the examples in `pairs` may take
     them: other examples (a fact alone as the answer, in another form) are not rows the shifts were measured on."""
-    bounds = np.searchsorted(cache.record.numpy(), np.arange(cache.n_forget + cache.n_retain + 1))
+    bounds = cache.bounds()
     faced = [(torch.arange(a0, a1), torch.arange(p0, p1)) for (a0, a1), (p0, p1)
              in ((bounds[a:a + 2], bounds[p:p + 2]) for a, p in pairs) if a1 - a0 == p1 - p0 and a1 > a0]
     after = torch.cat([a for a, _ in faced]) if faced else torch.empty(0, dtype=torch.long)

@@ -15,7 +15,6 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.stats import rankdata
@@ -103,7 +102,7 @@ def fact_flags(cache: PooledCache, flags: list[list[int] | None]) -> torch.Tenso
     examples numbered as the cache's `record`, any not given or None -> -1, as one whose flags do not match its
     positions)."""
     out = torch.full((len(cache),), -1, dtype=torch.int8)
-    bounds = np.searchsorted(cache.record.numpy(), np.arange(len(flags) + 1))
+    bounds = cache.bounds()
     for i, f in enumerate(flags):
         if f is not None and len(f) == bounds[i + 1] - bounds[i]:
             out[bounds[i]:bounds[i + 1]] = torch.tensor(f, dtype=torch.int8)
