@@ -462,7 +462,7 @@ class Lethe:
     # profiles
     def set_profile(self, name: str, **spec: Any) -> ProfileOut:
         """Create or replace (a new version): backend, head, weights, preset, T, lam, gate, sticky_gate, head_gate,
-        flagged_mass, candidates, cap, min_p, repeat_guard, word_guard, whole_words, abstain, abstain_above,
+        flagged_mass, candidates, cap, max_push, min_p, repeat_guard, word_guard, whole_words, abstain, abstain_above,
         adapter_above, note."""
         return self._send(_r.set_profile(name, spec))
 

@@ -123,7 +123,7 @@ def profiles(client: Lethe, args):
                                   preset=args.preset, T=args.T, lam=args.lam, gate=args.gate,
                                   sticky_gate=args.sticky_gate, head_gate=args.head_gate,
                                   flagged_mass=args.flagged_mass,
-                                  candidates=args.candidates, cap=args.cap, min_p=args.min_p,
+                                  candidates=args.candidates, cap=args.cap, max_push=args.max_push, min_p=args.min_p,
                                   repeat_guard=args.repeat_guard, word_guard=args.word_guard,
                                   whole_words=args.whole_words,
                                   abstain=args.abstain,

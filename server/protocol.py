@@ -89,6 +89,12 @@ class ProfileSpec(Strict):
                                                    "the gate lets in.")
     candidates: int | None = Field(None, ge=0, le=MAX_CANDIDATES)
     cap: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
+    max_push: float | None = Field(None, ge=0, le=100, allow_inf_nan=False,
+                                   description="With the cap: the tilt lowers a token the head flags at most this many "
+                                               "nats below where the cap holds it (its untilted score, or the best "
+                                               "unflagged token minus the cap, where that is lower), so a forgotten "
+                                               "answer scores among the answers the model finds plausible, not far "
+                                               "below them (100: no limit in practice).")
     min_p: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False,
                                 description="Forget-like contexts: drop candidates below min_p x the best token's "
                                             "probability (0: off).")

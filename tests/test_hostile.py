@@ -106,6 +106,7 @@ def test_invalid_utf8_oversized_and_unusual_unicode(app_client, alice):
 
 @pytest.mark.parametrize("change,field", [({"T": 0}, "T"), ({"T": -1}, "T"), ({"T": 1e9}, "T"), ({"lam": -0.5}, "lam"),
                                           ({"candidates": -1}, "candidates"), ({"bogus": 1}, "bogus"),
+                                          ({"max_push": -1}, "max_push"), ({"max_push": 101}, "max_push"),
                                           ({"backend": "nope"}, "backend")])
 def test_bad_profile_settings_name_the_field(app_client, alice, change, field):
     r = app_client.put("/v1/profiles/p", json={"head": "head_x", **change}, headers=alice)

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -54,12 +55,12 @@ def test_candidates_keep_exactly_the_base_top_k():
         assert kept == set(logits[i].topk(kk).indices.tolist())
 
 
-def _among(logits, z, k, T, lam, gate, cap=None):
+def _among(logits, z, k, T, lam, gate, cap=None, push=None):
     """The decode loop's candidate path, scattered back over the vocabulary (-inf elsewhere)."""
     keep = torch.arange(int(k.max()))[None, :] < k[:, None]
     values, ids = candidates_of(logits, int(k.max()), keep)
     col = lambda v: None if v is None else v[:, None]  # noqa: E731
-    scores = tilt_candidates(values, z.gather(1, ids), col(T), col(lam), col(gate), col(cap))
+    scores = tilt_candidates(values, z.gather(1, ids), col(T), col(lam), col(gate), col(cap), push=col(push))
     out = torch.full_like(logits, float("-inf")).scatter(-1, ids, scores)
     return out if gate is None else torch.where(gate[:, None] > 0.5, out, logits)  # as `_Group` does
 
@@ -90,15 +91,38 @@ def test_cap_drops_a_flagged_spike_just_below_the_best_unflagged_token():
     assert torch.equal(out[1], logits[1])
 
 
-def test_cap_among_candidates_equals_the_dense_cap():
+@pytest.mark.parametrize("push", [None, torch.tensor([2.0, 0.5, float("inf")])])
+def test_cap_among_candidates_equals_the_dense_cap(push):
     g = torch.Generator().manual_seed(5)
-    logits, z = torch.randn(3, 80, generator=g) * 4, torch.randn(3, 80, generator=g) * 3
-    T, lam, k = torch.tensor([1.0, 2.0, 1.5]), torch.tensor([1.0, 0.5, 2.0]), torch.tensor([20, 5, 12])
+    logits, z = torch.randn(3, 80, generator=g) * 4, torch.randn(3, 80, generator=g) * 6
+    T, lam, k = torch.tensor([1.0, 2.0, 1.5]), torch.tensor([3.0, 0.5, 2.0]), torch.tensor([20, 5, 12])
     gate, cap = torch.tensor([0.9, 0.7, 0.2]), torch.tensor([0.5, 1.0, 0.5])
-    dense = tilt(logits, z, T, lam, gate, k, cap)
-    sparse = _among(logits, z, k, T, lam, gate, cap)
+    dense = tilt(logits, z, T, lam, gate, k, cap, push=push)
+    sparse = _among(logits, z, k, T, lam, gate, cap, push)
     assert torch.equal(torch.isfinite(dense), torch.isfinite(sparse))
     torch.testing.assert_close(torch.softmax(sparse, -1), torch.softmax(dense, -1))
+    if push is not None:  # the limit raised some flagged candidate: the comparison covered it
+        assert not torch.allclose(torch.softmax(dense, -1), torch.softmax(tilt(logits, z, T, lam, gate, k, cap), -1))
+
+
+def test_the_push_limit_holds_a_flagged_token_at_most_max_push_below_where_the_cap_holds_it():
+    logits = torch.tensor([[8.0, 2.0, 1.0, 0.0, -3.0]] * 2)
+    z = torch.tensor([[-20.0, 30.0, -20.0, 30.0, -0.1]] * 2)  # tokens 0, 2 and 4 flagged; 0 and 2 pushed 20 nats
+    T, lam, cap = torch.ones(2), torch.ones(2), torch.full((2,), 0.5)
+    push = torch.tensor([2.0, float("inf")])  # row 1: no limit
+    out = tilt(logits, z, T, lam, gate=torch.ones(2), cap=cap, push=push)
+    base = torch.log_softmax(logits, -1)
+    tilted = base + torch.nn.functional.logsigmoid(z)
+    torch.testing.assert_close(out[0, 0], base[0, 1] - 0.5 - 2.0)  # the spike: 2 nats below the cap's limit
+    torch.testing.assert_close(out[0, 2], base[0, 2] - 2.0)  # below the limit already: 2 nats below its own score
+    torch.testing.assert_close(out[0, 4], tilted[0, 4])  # pushed less than 2 nats: as tilted
+    torch.testing.assert_close(out[0, [1, 3]], base[0, [1, 3]])  # unflagged: untouched
+    assert int(out[0].argmax()) == 1
+    torch.testing.assert_close(out[1], torch.minimum(tilted[1], base[1, 1] - 0.5) * (z[1] < 0) + base[1] * (z[1] >= 0))
+    # without a cap, no limit; a token outside the candidates stays without a score
+    torch.testing.assert_close(tilt(logits, z, T, lam, gate=torch.ones(2), push=push), tilted)
+    few = tilt(logits, z, T, lam, gate=torch.ones(2), candidates=torch.full((2,), 2), cap=cap, push=push)
+    assert not torch.isfinite(few[:, 2:]).any()
 
 
 def test_candidate_path_without_tempering_or_gate_and_with_a_row_whose_cap_is_off():
@@ -130,7 +154,7 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
     head = T3Head(16, 70, 4).eval().requires_grad_(False)
     torch.nn.init.normal_(head.up.weight, std=3.0)
     torch.nn.init.normal_(head.probe.weight, std=0.5)
-    settings = [TiltSettings(), TiltSettings(T=2.0, lam=3.0, candidates=5, min_p=0.05),
+    settings = [TiltSettings(max_push=2.0), TiltSettings(T=2.0, lam=3.0, candidates=5, min_p=0.05),
                 TiltSettings(gate=False, cap=None), TiltSettings(T=1.5, cap=1.0, candidates=12, min_p=0.3),
                 TiltSettings(T=2.5, gate=False, candidates=0, cap=None, min_p=0.01)]
     settings = settings[:rows]
@@ -142,7 +166,8 @@ def test_head_guide_gives_each_row_of_a_mixed_group_its_own_dense_tilt(rows, fus
             gate = head.forget_probability(pooled[i:i + 1]) if s.gate else None
             want = tilt(logits[i:i + 1], head(pooled[i:i + 1]), one(s.T), one(s.lam), gate,
                         torch.tensor([s.candidates]), None if s.cap is None else one(s.cap),
-                        one(s.min_p) if s.min_p else None, one(s.flagged_mass) if s.flagged_mass else None)
+                        one(s.min_p) if s.min_p else None, one(s.flagged_mass) if s.flagged_mass else None,
+                        push=None if s.max_push is None else one(s.max_push))
             assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), i
             torch.testing.assert_close(torch.softmax(got[i], -1), torch.softmax(want[0], -1))
     assert any(not torch.equal(got[i], logits[i]) for i in range(rows))  # some row was tilted: the check compared tilts
@@ -206,8 +231,9 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
                TiltSettings(T=1.5, cap=2.0, candidates=100), TiltSettings(lam=0.0), TiltSettings(cap=0.0, candidates=1),
                TiltSettings(min_p=0.1, candidates=30, gate=False), TiltSettings(head_gate=1.0),
                TiltSettings(head_gate=3.0, T=2.0, candidates=9), TiltSettings(flagged_mass=0.3),
-               TiltSettings(flagged_mass=0.05, T=2.0, candidates=9, min_p=0.05)]
-    rows = [(head, choices[i % len(choices)]) for i in range(batch)]
+               TiltSettings(flagged_mass=0.05, T=2.0, candidates=9, min_p=0.05), TiltSettings(max_push=0.0, lam=5.0),
+               TiltSettings(max_push=4.0, T=2.0, lam=4.0, candidates=30), TiltSettings(max_push=2.0, gate=False)]
+    rows = [(head, choices[(i * 5) % len(choices)]) for i in range(batch)]
     logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
     with torch.inference_mode():
         kernel = HeadGuide(rows, fused=True)(logits, pooled)
@@ -541,3 +567,38 @@ def test_cpu_kernel_equals_the_tensor_operations_with_the_word_guard(batch):
     assert not torch.equal(torch.isfinite(tensor_ops), torch.isfinite(unguarded))  # the guard dropped some pieces
     torch.testing.assert_close(torch.softmax(kernel, -1), torch.softmax(tensor_ops, -1), atol=1e-5, rtol=1e-4)
     assert torch.equal(kernel.argmax(-1), tensor_ops.argmax(-1))
+
+
+def test_max_push_is_a_number_or_null_off_by_default():
+    from lethe.heads.t3.guide import PRESETS, TiltSettings
+
+    assert TiltSettings().max_push is None and PRESETS["paper"].max_push is None
+    assert TiltSettings.from_dict({"T": 2.0, "word_guard": True}).max_push is None
+    assert TiltSettings.from_dict({"max_push": 2}).max_push == 2
+    assert TiltSettings.from_dict(TiltSettings(max_push=4.0).as_dict()).max_push == 4.0
+    for bad in (-1, 101, "4", True):
+        with pytest.raises(ValueError, match="max_push: must be a number in"):
+            TiltSettings.from_dict({"max_push": bad})
+
+
+def test_scoring_applies_the_push_limit_as_decoding_does():
+    """Echo log-probabilities and `lethe eval` (`whole_vocabulary`) hold a forgotten answer's token no further below
+    the best other token than the limit allows, the same score a decoding step gives it among the candidates."""
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
+
+    head, _ = _probed_head(3)
+    torch.nn.init.normal_(head.up.weight, std=20.0)  # pushes of many nats
+    logits, pooled = torch.randn(3, 40) * 4, torch.randn(3, 8) * 2
+    settings = TiltSettings(gate=False, candidates=40, flagged_mass=0.0, max_push=4.0)
+    with torch.inference_mode():
+        raw = whole_vocabulary(head, settings, logits, pooled)
+        unlimited = whole_vocabulary(head, dataclasses.replace(settings, max_push=None), logits, pooled)
+        for fused in (True, False):
+            decoded = torch.log_softmax(HeadGuide.uniform(head, settings, fused=fused)(logits, pooled), -1)
+            torch.testing.assert_close(decoded, torch.log_softmax(raw, -1), atol=1e-4, rtol=1e-4)
+        z = head(pooled)
+    flagged = z < 0
+    free = raw.masked_fill(flagged, float("-inf")).amax(-1, keepdim=True)
+    floor = torch.minimum(torch.log_softmax(logits, -1), free - 0.5) - 4.0
+    assert bool((raw[flagged] >= floor[flagged] - 1e-4).all())
+    assert float((raw - unlimited)[flagged].max()) > 1.0  # the limit acted: some flagged token was raised

@@ -86,6 +86,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, help="tilt among the base model's k likeliest tokens (0: all)")
     p.add_argument("--cap", type=float, help="flagged tokens score at most the best other token minus CAP")
     p.add_argument("--no-cap", action="store_true", help="turn the spike cap off")
+    p.add_argument("--max-push", type=float, help="with the cap: the tilt lowers a flagged token at most MAX_PUSH "
+                                                  "nats below where the cap holds it (100: no limit in practice)")
     p.add_argument("--min-p", type=float, help="forget-like contexts: drop candidates below MIN_P x the best's "
                                                "probability (0: off)")
     p.add_argument("--repeat-guard", type=int, help="forget-like contexts: no word that repeats a word n-gram of "
@@ -107,8 +109,8 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
 
 
 _PROFILE_DESTS = ["head", "preset", "T", "lam", "gate", "sticky_gate", "head_gate", "flagged_mass", "candidates",
-                  "cap", "no_cap", "min_p", "repeat_guard", "word_guard", "whole_words", "abstain", "abstain_above", "adapter_above",
-                  "asu"]
+                  "cap", "no_cap", "max_push", "min_p", "repeat_guard", "word_guard", "whole_words", "abstain",
+                  "abstain_above", "adapter_above", "asu"]
 
 
 def _profile(args, lm):

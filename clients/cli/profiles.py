@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "probability (0: off)")
     q.add_argument("--candidates", type=int)
     q.add_argument("--cap", type=float)
+    q.add_argument("--max-push", type=float,
+                   help="with the cap: the tilt lowers a flagged token at most MAX_PUSH nats below where the cap "
+                        "holds it")
     q.add_argument("--min-p", type=float)
     q.add_argument("--repeat-guard", type=int)
     q.add_argument("--word-guard", action=argparse.BooleanOptionalAction, default=None,

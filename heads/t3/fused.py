@@ -39,7 +39,7 @@ def _numba_installed() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-SETTINGS = 9  # the columns of TiltKernel.settings
+SETTINGS = 10  # the columns of TiltKernel.settings
 
 
 class TiltKernel:
@@ -54,23 +54,26 @@ class TiltKernel:
     def __init__(self, head, k: int, candidates: list[int], T: list[float], lam: list[float], gate: list[bool],
                  cap: list[float | None], min_p: list[float] | None = None, head_gate: list[float] | None = None,
                  flagged_mass: list[float] | None = None, word_guard: list[bool] | None = None,
-                 words: torch.Tensor | None = None):
-        """`words` (V,): which tokens continue a word, for the rows with `word_guard` (None: no row guards)."""
+                 words: torch.Tensor | None = None, push: list[float] | None = None):
+        """`words` (V,): which tokens continue a word, for the rows with `word_guard` (None: no row guards); `push`:
+        the cap's push limit per row (`heads.t3.tilt.limit_push`; inf or None: off)."""
         down, bias, up, up_bias = head._decoding_weights()
         as_np = lambda t: t.detach().to("cpu", torch.float32).contiguous().numpy()  # noqa: E731
         self.weights = (as_np(down), as_np(bias), as_np(up),
                         np.zeros(up.shape[0], np.float32) if up_bias is None else as_np(up_bias[:, 0]))
         self.probe, self.k = head.probe is not None, k
         # per row: number of candidates, T, lam, gate switch, cap (NaN: off), log(min_p) (-inf: off),
-        # head_gate (0: off), flagged_mass (0: off), word guard switch (0: off)
+        # head_gate (0: off), flagged_mass (0: off), word guard switch (0: off), push limit (inf: off)
         n_rows = len(candidates)
+        push = push or [np.inf] * n_rows
         min_p, head_gate = min_p or [0.0] * n_rows, head_gate or [0.0] * n_rows
         flagged_mass = flagged_mass or [0.0] * n_rows
         word_guard = word_guard if words is not None and word_guard else [False] * n_rows
         self.words = np.zeros(0, np.bool_) if words is None else words.to("cpu").numpy()
         self.settings = np.asarray([(n, t, l_, float(g), np.nan if c is None else c, math.log(m) if m > 0 else -np.inf,
-                                     h, f, float(w)) for n, t, l_, g, c, m, h, f, w in
-                                    zip(candidates, T, lam, gate, cap, min_p, head_gate, flagged_mass, word_guard)],
+                                     h, f, float(w), p) for n, t, l_, g, c, m, h, f, w, p in
+                                    zip(candidates, T, lam, gate, cap, min_p, head_gate, flagged_mass, word_guard,
+                                        push)],
                                    dtype=np.float32).reshape(n_rows, SETTINGS)
         self._out: torch.Tensor | None = None
         self._out_np: np.ndarray | None = None
@@ -248,8 +251,14 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
         cap = settings[b, 4]
         capped = not math.isnan(cap) and best_free > -np.inf
         limit = best_free - cap
+        push = settings[b, 9]
         for i in range(kb):
             s = scores[i]
-            if capped and z[i] < 0 and s > limit:
-                s = limit
+            if capped and z[i] < 0:
+                if s > limit:
+                    s = limit
+                # the push limit (heads.t3.tilt.limit_push): no lower than push below min(untilted, limit)
+                low = min(vals[i] / temp, limit) - push
+                if s > -np.inf and s < low:
+                    s = low
             out[b, ids[i]] = s

@@ -42,6 +42,13 @@ class TiltSettings:
     sticky_gate: bool = True
     candidates: int = 20  # tilt among the base model's k most likely tokens; 0 = all tokens
     cap: float | None = 0.5  # flagged tokens score at most the best other token minus this; None = off
+    # with the cap: the tilt lowers a flagged token at most this many nats below where the cap holds it (its untilted
+    # score, or the best unflagged token minus the cap where that is lower), so a forgotten answer scores among the
+    # answers the model finds plausible rather than below made-up ones (`heads.t3.tilt.limit_push`). None = no limit,
+    # the default: on the demo 4 took forget quality (the truth ratios' KS test) from 7e-07 to 0.56-0.70, but on
+    # SmolLM2 it let log-likelihood multiple choice rank the forgotten capital first 0.45-0.50 of the time (chance
+    # 0.25), where the unlimited push ranks it first at chance (docs/forgetting-in-context.md, session 36)
+    max_push: float | None = None
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
     repeat_guard: int = 3  # forget-like rows: no word that repeats a word n-gram of the answer (this n); 0 = off
     # forget-like rows: where the head flags the base model's likeliest token and it starts a word, no candidate that
@@ -112,6 +119,9 @@ class TiltSettings:
             raise ValueError(f"flagged_mass: must be a probability in [0, 1) (0: off), got {out.flagged_mass!r}")
         if out.cap is not None and not (0 <= out.cap <= 100):
             raise ValueError(f"cap: must be in [0, 100] or null, got {out.cap}")
+        if out.max_push is not None and (isinstance(out.max_push, bool) or not isinstance(out.max_push, (int, float))
+                                         or not 0 <= out.max_push <= 100):
+            raise ValueError(f"max_push: must be a number in [0, 100] or null (no limit), got {out.max_push!r}")
         if isinstance(out.min_p, bool) or not isinstance(out.min_p, (int, float)) or not 0 <= out.min_p < 1:
             raise ValueError(f"min_p: must be a number in [0, 1), got {out.min_p!r}")
         if isinstance(out.repeat_guard, bool) or not isinstance(out.repeat_guard, int) or \
@@ -138,8 +148,9 @@ class TiltSettings:
 
 PRESETS = {
     # the public reference's published run: T = 2.5, lam = 1, over the whole vocabulary, always on
-    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, sticky_gate=False, candidates=0, cap=None, min_p=0.0,
-                          repeat_guard=0, word_guard=False, whole_words=False, flagged_mass=0.0, abstain=None),
+    "paper": TiltSettings(T=2.5, lam=1.0, gate=False, sticky_gate=False, candidates=0, cap=None, max_push=None,
+                          min_p=0.0, repeat_guard=0, word_guard=False, whole_words=False, flagged_mass=0.0,
+                          abstain=None),
     "default": TiltSettings(),
 }
 
@@ -147,7 +158,8 @@ PRESETS = {
 def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     """The profile's scores over the whole vocabulary at some positions, for scoring: (n, V) base logits and (n, d)
     pooled states -> (n, V). Gate, tempering, tilt and cap; no candidate restriction and no min-p floor (decoding
-    truncations: like top-k, they would give some tokens, a forgotten answer included, no probability at all)."""
+    truncations: like top-k, they would give some tokens, a forgotten answer included, no probability at all), and the
+    cap's push limit."""
     n, device = len(logits), logits.device
     full = lambda value: torch.full((n,), float(value), device=device)  # noqa: E731
     z = head(pooled)
@@ -155,9 +167,10 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     if gate is not None and settings.head_gate > 0:
         gate = opened_by_head(gate, likeliest(z, logits), full(settings.head_gate))
     cap = full(settings.cap) if settings.cap is not None else None
+    push = full(settings.max_push) if settings.max_push is not None and cap is not None else None
     # no flagged_mass here: it keeps a step's base logits where a flagged token is unlikely to be sampled, but a scored
     # text may hold that token (a multiple-choice option), and its score must be the tilted one
-    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap)
+    return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap, push=push)
 
 
 def likeliest(z: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -370,7 +383,7 @@ class _Group:
     min_p: torch.Tensor | None
     gated: torch.Tensor | None  # which rows are gated; None: all of them (if the head has a probe)
     any_gated: bool
-    # (T, lam, k, cap, gate switch, min_p, head_gate, flagged_mass, word guard switch): (B,) vectors, when k == 0
+    # (T, lam, k, cap, gate switch, min_p, head_gate, flagged_mass, word guard switch, push): (B,) vectors, k == 0
     dense: tuple | None
     repeat_guard: list[int] | None  # per row, the repeat guard's n (None: off for every row)
     head_gate: torch.Tensor | None = None  # (B, 1): `TiltSettings.head_gate` (None: 0, off, on every row)
@@ -381,6 +394,7 @@ class _Group:
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
     _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
     _flagged_top: torch.Tensor | None = None  # after a call: rows the gate let in whose likeliest token is flagged
+    push: torch.Tensor | None = None  # (B, 1): `TiltSettings.max_push`, inf where off or without a cap (None: off)
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
@@ -397,6 +411,8 @@ class _Group:
         head_gate = column([s.head_gate for s in settings]) if any(s.head_gate > 0 and s.gate for s in settings) \
             else None
         mass = column([s.flagged_mass for s in settings]) if any(s.flagged_mass > 0 for s in settings) else None
+        pushes = [float("inf") if s.max_push is None or s.cap is None else s.max_push for s in settings]
+        push = column(pushes) if any(p < float("inf") for p in pushes) else None
         word_guard = None
         if words is not None and any(s.word_guard for s in settings):
             word_guard = column([s.word_guard for s in settings], torch.bool)
@@ -409,7 +425,8 @@ class _Group:
                      if any(s.cap is not None for s in settings) else None,
                      column([s.gate for s in settings], torch.bool)[:, 0] if any_gated else None,
                      None if min_p is None else min_p[:, 0], None if head_gate is None else head_gate[:, 0],
-                     None if mass is None else mass[:, 0], None if word_guard is None else word_guard[:, 0])
+                     None if mass is None else mass[:, 0], None if word_guard is None else word_guard[:, 0],
+                     None if push is None else push[:, 0])
             return cls(head, rows, 0, None, None, column([s.lam for s in settings]), None, None, gated, any_gated,
                        dense, guard, head_gate, mass, words, word_guard)
         wanted = [min(s.candidates, head.up.out_features) for s in settings]
@@ -426,9 +443,10 @@ class _Group:
                                              [s.gate for s in settings], [s.cap for s in settings],
                                              [s.min_p for s in settings], [s.head_gate for s in settings],
                                              [s.flagged_mass for s in settings],
-                                             None if words is None else [s.word_guard for s in settings], words)
+                                             None if words is None else [s.word_guard for s in settings], words,
+                                             pushes)
         return cls(head, rows, k, keep, T, column([s.lam for s in settings]), cap, min_p, gated, any_gated, None,
-                   guard, head_gate, mass, words, word_guard, kernel)
+                   guard, head_gate, mass, words, word_guard, kernel, push=push)
 
     def __call__(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
         """The tilted logits of this group's rows: (B, V) -> (B, V), -inf outside the candidates (the base
@@ -456,7 +474,7 @@ class _Group:
         if self.words is not None:
             guarded, joins = word_guarded(z_top, self.words[top], self.word_guard), self.words[ids]
         scores = tilt_candidates(values.float(), z.float(), self.T, self.lam, gate, self.cap, self.min_p, guarded,
-                                 joins)
+                                 joins, self.push)
         out = torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, scores)
         self._active = None if gate is None else gate[:, 0] > 0.5  # the gate's verdict, which the repeat guard follows
         tilted = self._active
@@ -481,7 +499,7 @@ class _Group:
         return (p * counted).sum(-1)
 
     def _dense(self, logits: torch.Tensor, pooled: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
-        T, lam, k, cap, gate_on, min_p, head_gate, mass, word_guard = self.dense
+        T, lam, k, cap, gate_on, min_p, head_gate, mass, word_guard, push = self.dense
         z, gate = self.head(pooled), None
         z_top = likeliest(z, logits)
         if gate_on is not None:
@@ -492,7 +510,7 @@ class _Group:
         self._active = None if gate is None else gate > 0.5
         self._gate = gate
         self._flagged_top = z_top < 0 if gate is None else (z_top < 0) & self._active
-        return tilt(logits, z, T, lam, gate, k, cap, min_p, mass, self.words, word_guard)
+        return tilt(logits, z, T, lam, gate, k, cap, min_p, mass, self.words, word_guard, push)
 
     def last_gate(self) -> torch.Tensor | float:
         """Each row's gate at the last call (1 where there is none)."""

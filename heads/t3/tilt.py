@@ -19,6 +19,13 @@ Lethe adds three optional refinements, each a plain tensor operation:
 * candidates: only the base model's own k most likely tokens (untempered) may be
   chosen; the tilt re-ranks among them and never promotes a token the base
   model finds implausible (the word fragments the reference produces).
+* push limit: with the cap on, the tilt lowers a flagged token at most `push` nats
+  below where the cap holds it (its untilted score, or the best unflagged token
+  minus the cap where that is lower): a memorised answer falls among the other
+  answers the model finds plausible, not far below them, as in a model that never
+  learnt it (pushed further, the true answer scores below made-up ones, and a
+  truth-ratio scorer sees the forgetting). Off by default (`TiltSettings.max_push`):
+  on SmolLM2 the unlimited push is what keeps multiple-choice scoring at chance.
 * min_p: a fluency floor among the candidates: in a forget-like context a
   candidate whose base probability is below min_p times the best token's is
   dropped (min-p sampling's rule, applied before the tilt re-ranks).
@@ -71,15 +78,28 @@ def restrict_to_candidates(guided: torch.Tensor, logits: torch.Tensor, k: torch.
 
 
 def cap_flagged(guided: torch.Tensor, head_logits: torch.Tensor, margin: torch.Tensor,
-                active: torch.Tensor) -> torch.Tensor:
+                active: torch.Tensor, untilted: torch.Tensor | None = None,
+                push: torch.Tensor | None = None) -> torch.Tensor:
     """Where `active`, a token the head calls forget-like (z < 0: forget likelier than retain) may
-    not score above the best unflagged token minus `margin`, so a memorised spike drops just below
-    the likeliest alternative, and no further: the answer's probability is not pushed far below
-    that of other answers (which would give the forgetting away in the truth ratio)."""
+    not score above the best unflagged token minus `margin`, so a memorised spike drops below the
+    likeliest alternative. With `push` ((B,); inf: off) and `untilted` ((B, V): the scores without
+    the tilt), no lower than `push` below that limit or its untilted score, whichever is lower
+    (`limit_push`)."""
     flagged = (head_logits < 0) & active[:, None]
     best_free = guided.masked_fill(flagged, float("-inf")).amax(-1, keepdim=True)
-    capped = torch.minimum(guided, best_free - margin[:, None])
+    limit = best_free - margin[:, None]
+    capped = torch.minimum(guided, limit)
+    if push is not None:
+        capped = limit_push(capped, untilted, limit, push[:, None])
     return torch.where(flagged & torch.isfinite(best_free), capped, guided)
+
+
+def limit_push(capped: torch.Tensor, untilted: torch.Tensor, limit: torch.Tensor, push: torch.Tensor) -> torch.Tensor:
+    """Flagged tokens' scores after the cap (`capped`), raised to at least min(`untilted`, `limit`) - `push`: the tilt
+    lowers a token at most `push` nats below where the cap holds it. Tokens without a score (-inf: outside the
+    candidates, under the min-p floor, dropped by the word guard) stay without one; `push` inf leaves every score."""
+    floor = torch.minimum(untilted, limit) - push
+    return torch.where(torch.isfinite(capped), torch.maximum(capped, floor), capped)
 
 
 def floor_candidates(guided: torch.Tensor, logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -115,8 +135,9 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
          gate: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
          cap: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
          mass: torch.Tensor | None = None, words: torch.Tensor | None = None,
-         word_guard: torch.Tensor | None = None) -> torch.Tensor:
-    """Guided logits with Lethe's optional gate, spike cap, candidate restriction, fluency floor and word guard
+         word_guard: torch.Tensor | None = None, push: torch.Tensor | None = None) -> torch.Tensor:
+    """Guided logits with Lethe's optional gate, spike cap (and its push limit, `push`: with the cap only),
+    candidate restriction, fluency floor and word guard
     (`words`, (V,): which tokens continue a word; `word_guard`, (B,): which rows guard; None: no row); a row
     the gate keeps out (g <= 0.5) gets its base logits back untouched, and so does a row whose flagged tokens,
     of those it may sample, hold less than `mass` of the base model's probability (None or 0: no such row)."""
@@ -137,7 +158,8 @@ def tilt(logits: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor, lam: 
         guarded = word_guarded(head_logits.gather(-1, top[:, None])[:, 0], words[top], word_guard)
         out = guard_words(out, head_logits, guarded, words[None, :])
     if cap is not None:  # after the restriction: the best alternative is a candidate
-        out = cap_flagged(out, head_logits, cap, active & (cap >= 0))
+        untilted = None if push is None else torch.log_softmax(logits.float(), dim=-1) / T[:, None]
+        out = cap_flagged(out, head_logits, cap, active & (cap >= 0), untilted, push)
     return out if gate is None and mass is None else torch.where(active[:, None], out, logits.float())
 
 
@@ -156,12 +178,13 @@ def candidates_of(logits: torch.Tensor, k: int, keep: torch.Tensor | None = None
 def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Tensor | None, lam: torch.Tensor,
                     gate: torch.Tensor | None = None, cap: torch.Tensor | None = None,
                     min_p: torch.Tensor | None = None, guarded: torch.Tensor | None = None,
-                    joins: torch.Tensor | None = None) -> torch.Tensor:
+                    joins: torch.Tensor | None = None, push: torch.Tensor | None = None) -> torch.Tensor:
     """`tilt` with candidates, on the candidates only: (B, k) base logits (best first) and head logits ->
     (B, k) scores.
 
     The settings are (B, 1) columns: T (None: 1 for every row), lam, gate (None: 1), cap (None: off; a
-    row's cap of -inf turns it off for that row), min_p (None: off); `guarded` (B, 1) and `joins` (B, k): the rows
+    row's cap of -inf turns it off for that row), min_p (None: off), push (None: off; inf for a row, or a row
+    without a cap: off for it); `guarded` (B, 1) and `joins` (B, k): the rows
     where the word guard acts (`word_guarded`) and which candidates continue the current word (None: off). Equal to `tilt(..., candidates=k)` at
     the candidates of a row the gate lets in, up to a constant per row (the log-normaliser, skipped: it
     changes neither the sampling distribution, nor the argmax, nor the cap); the caller gives the rows the
@@ -182,8 +205,12 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     best_free = scores.masked_fill(flagged, float("-inf")).amax(-1, keepdim=True)
     # no unflagged candidate (-inf), or the row's cap off (nan, or +inf): no limit
     inf = float("inf")
-    limit = (best_free - cap).nan_to_num(nan=inf, posinf=inf, neginf=inf)
-    return torch.where(flagged, torch.minimum(scores, limit), scores)
+    raw = best_free - cap
+    limit = raw.nan_to_num(nan=inf, posinf=inf, neginf=inf)
+    held = torch.minimum(scores, limit)
+    if push is not None:  # where the cap holds (a finite limit): the untilted scores are the tempered values
+        held = torch.where(torch.isfinite(raw), limit_push(held, values if T is None else values / T, raw, push), held)
+    return torch.where(flagged, held, scores)
 
 
 

@@ -37,6 +37,7 @@ def variants(paper_head, lethe_head) -> list[tuple[str, Profile]]:
         ("default - gate", Profile("default-gate", lethe_head, replace(default, gate=False))),
         ("default - candidates", Profile("default-candidates", lethe_head, replace(default, candidates=0))),
         ("default - cap", Profile("default-cap", lethe_head, replace(default, cap=None))),
+        ("default + push limit 4", Profile("default+push", lethe_head, replace(default, max_push=4.0))),
         ("default - repeat guard", Profile("default-guard", lethe_head, replace(default, repeat_guard=0))),
         ("paper + repeat guard 3", Profile("paper+guard", paper_head, replace(paper, repeat_guard=3))),
     ]
