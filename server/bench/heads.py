@@ -83,6 +83,7 @@ def bench_heads(url: str, admin_key: str, lm, clients: int = 8, duration: float 
     """`lm`: the model the server serves (its sizes and fingerprint make the heads)."""
     import torch
 
+    from lethe.heads.t3.guide import TiltSettings
     from lethe.heads.t3.head import HeadInfo, T3Head, save_head
 
     cfg = lm.model.config
@@ -93,8 +94,10 @@ def bench_heads(url: str, admin_key: str, lm, clients: int = 8, duration: float 
             head = T3Head(cfg.hidden_size, cfg.vocab_size, 20)
             torch.nn.init.normal_(head.up.weight, std=0.5)
             path = Path(tmp) / f"head{i}.safetensors"
+            # today's default settings, as a trained head recommends them (a head without any would serve with
+            # those of heads stored before the word guard and flagged_mass: guide.STORED_BEFORE)
             save_head(path, head, HeadInfo(base_fingerprint=lm.fingerprint, d=cfg.hidden_size, vocab=cfg.vocab_size,
-                                           rank=20))
+                                           rank=20, profile=TiltSettings().as_dict()))
             users.append(_tenant_with_head(url, admin_key, f"bench{i}", path))
     keys = [_key(c) for c in users]
     for c in users:

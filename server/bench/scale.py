@@ -153,6 +153,7 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
     import ray
     import torch
 
+    from lethe.heads.t3.guide import TiltSettings
     from lethe.heads.t3.head import HeadInfo, T3Head, save_head
     from lethe.server.pg_local import free_port
     from lethe.server.settings import Settings
@@ -169,8 +170,8 @@ def bench_scale(model: Path, lm, database_url: str | None = None, tenants: int =
             head = T3Head(cfg.hidden_size, cfg.vocab_size, 20)
             torch.nn.init.normal_(head.up.weight, std=0.5)
             heads.append(Path(tmp) / f"head{i}.safetensors")
-            save_head(heads[-1], head, HeadInfo(base_fingerprint=lm.fingerprint, d=cfg.hidden_size,
-                                                vocab=cfg.vocab_size, rank=20))
+            save_head(heads[-1], head, HeadInfo(base_fingerprint=lm.fingerprint, d=cfg.hidden_size,  # today's defaults
+                                                vocab=cfg.vocab_size, rank=20, profile=TiltSettings().as_dict()))
         keys: list[str] = []
         log("bench scale: the plain server (1 process, 1 thread), 1 client")
         with plain_server(model, data, database, admin, free_port()) as url:
