@@ -215,7 +215,7 @@ def test_whole_words_is_a_boolean_setting_off_unless_a_profile_asks():
 
 
 @pytest.mark.parametrize("probe,bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("batch", [1, 6, 12])
+@pytest.mark.parametrize("batch", [1, 6, 14])  # 14: every choice below once
 def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
     from lethe.heads.t3.guide import HeadGuide, TiltSettings
     from lethe.heads.t3.head import T3Head
@@ -233,7 +233,7 @@ def test_cpu_kernel_equals_the_tensor_operations(probe, bias, batch):
                TiltSettings(head_gate=3.0, T=2.0, candidates=9), TiltSettings(flagged_mass=0.3),
                TiltSettings(flagged_mass=0.05, T=2.0, candidates=9, min_p=0.05), TiltSettings(max_push=0.0, lam=5.0),
                TiltSettings(max_push=4.0, T=2.0, lam=4.0, candidates=30), TiltSettings(max_push=2.0, gate=False)]
-    rows = [(head, choices[(i * 5) % len(choices)]) for i in range(batch)]
+    rows = [(head, choices[i % len(choices)]) for i in range(batch)]
     logits, pooled = torch.randn(batch, 90) * 4, torch.randn(batch, 24) * 2
     with torch.inference_mode():
         kernel = HeadGuide(rows, fused=True)(logits, pooled)
@@ -602,3 +602,21 @@ def test_scoring_applies_the_push_limit_as_decoding_does():
     floor = torch.minimum(torch.log_softmax(logits, -1), free - 0.5) - 4.0
     assert bool((raw[flagged] >= floor[flagged] - 1e-4).all())
     assert float((raw - unlimited)[flagged].max()) > 1.0  # the limit acted: some flagged token was raised
+
+
+def test_the_push_limit_needs_the_cap():
+    """`max_push` with the cap off changes no score, in scoring and in decoding."""
+    import dataclasses as dc
+
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings, whole_vocabulary
+
+    head, _ = _probed_head(4)
+    logits, pooled = torch.randn(3, 40) * 4, torch.randn(3, 8) * 2
+    plain = TiltSettings(gate=False, cap=None, flagged_mass=0.0)
+    limited = dc.replace(plain, max_push=1.0)
+    with torch.inference_mode():
+        scored = whole_vocabulary(head, limited, logits, pooled)
+        assert torch.equal(scored, whole_vocabulary(head, plain, logits, pooled))
+        for fused in (True, False):
+            assert torch.equal(HeadGuide.uniform(head, limited, fused=fused)(logits, pooled).clone(),
+                               HeadGuide.uniform(head, plain, fused=fused)(logits, pooled).clone())

@@ -2,7 +2,7 @@
 
 Per row: the base model's k likeliest tokens, the head's down projection and
 probe on the pooled state, the head's logits at the candidates, then
-`heads.t3.tilt.tilt_candidates` (gate, tempering, tilt, word guard, cap), written over the
+`heads.t3.tilt.tilt_candidates` (gate, tempering, tilt, word guard, cap and its push limit), written over the
 vocabulary (-inf outside the candidates). The same computation as
 `HeadGuide`'s tensor operations, in one call instead of about twenty: on a small
 model each tensor operation costs microseconds of dispatch, which on the 3.6M
@@ -258,7 +258,7 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
                 if s > limit:
                     s = limit
                 # the push limit (heads.t3.tilt.limit_push): no lower than push below min(untilted, limit)
-                low = min(vals[i] / temp, limit) - push
-                if s > -np.inf and s < low:
-                    s = low
+                floor_i = min(vals[i] / temp, limit) - push
+                if s > -np.inf and s < floor_i:
+                    s = floor_i
             out[b, ids[i]] = s

@@ -47,7 +47,8 @@ class TiltSettings:
     # answers the model finds plausible rather than below made-up ones (`heads.t3.tilt.limit_push`). None = no limit,
     # the default: on the demo 4 took forget quality (the truth ratios' KS test) from 7e-07 to 0.56-0.70, but on
     # SmolLM2 it let log-likelihood multiple choice rank the forgotten capital first 0.45-0.50 of the time (chance
-    # 0.25), where the unlimited push ranks it first at chance (docs/forgetting-in-context.md, session 36)
+    # 0.25), where the unlimited push ranks it first at chance (docs/forgetting-in-context.md, session 36). Not
+    # applied again after `whole_words` drops word starts (that step re-caps the flagged tokens only)
     max_push: float | None = None
     min_p: float = 0.0  # forget-like rows: drop candidates below min_p x the best token's probability; 0 = off
     repeat_guard: int = 3  # forget-like rows: no word that repeats a word n-gram of the answer (this n); 0 = off

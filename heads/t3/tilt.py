@@ -194,7 +194,8 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     if gate is not None:
         T, lam = (None, lam * gate) if T is None else gated(T, lam, gate)
         active = gate > 0.5
-    scores = torch.addcmul(values if T is None else values / T, lam, F.logsigmoid(head_logits))
+    tempered = values if T is None else values / T
+    scores = torch.addcmul(tempered, lam, F.logsigmoid(head_logits))
     if min_p is not None:  # the candidates' best is the row's best: the same floor as over the vocabulary
         scores = scores.masked_fill(below_min_p(values, min_p[:, 0]), float("-inf"))
     if guarded is not None:
@@ -209,7 +210,7 @@ def tilt_candidates(values: torch.Tensor, head_logits: torch.Tensor, T: torch.Te
     limit = raw.nan_to_num(nan=inf, posinf=inf, neginf=inf)
     held = torch.minimum(scores, limit)
     if push is not None:  # where the cap holds (a finite limit): the untilted scores are the tempered values
-        held = torch.where(torch.isfinite(raw), limit_push(held, values if T is None else values / T, raw, push), held)
+        held = torch.where(torch.isfinite(raw), limit_push(held, tempered, raw, push), held)
     return torch.where(flagged, held, scores)
 
 

@@ -5,7 +5,7 @@ how a model that never learnt the forget set would look:
 * forget quality: the KS p-value of the forget set's truth ratios (paraphrased against perturbed answers) against the
   retain-only model's, as `lethe bench t3-quality` reads it;
 * log-likelihood multiple choice: the share of forget records whose fact, put into the record's answer sentence, has
-  the highest summed log-probability among four options (the fact and three others of its kind from both sets,
+  the highest summed log-probability among up to four options (the fact and three others of its kind from both sets,
   chosen as `lethe bench attacks` chooses them; the raw "Question: ... Answer:" form). The retain-only model's share
   is what a model that never knew the facts gives.
 
