@@ -257,8 +257,8 @@ def _tilt_rows(logits, pooled, down, bias, up, up_bias, probe, k, settings, gate
             if capped and z[i] < 0:
                 if s > limit:
                     s = limit
-                # the push limit (heads.t3.tilt.limit_push): no lower than push below min(untilted, limit)
-                floor_i = min(vals[i] / temp, limit) - push
-                if s > -np.inf and s < floor_i:
-                    s = floor_i
+                if push < np.inf and s > -np.inf:  # the push limit (heads.t3.tilt.limit_push)
+                    floor_i = min(vals[i] / temp, limit) - push  # no lower than push below min(untilted, limit)
+                    if s < floor_i:
+                        s = floor_i
             out[b, ids[i]] = s

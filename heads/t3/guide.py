@@ -168,7 +168,7 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     if gate is not None and settings.head_gate > 0:
         gate = opened_by_head(gate, likeliest(z, logits), full(settings.head_gate))
     cap = full(settings.cap) if settings.cap is not None else None
-    push = full(settings.max_push) if settings.max_push is not None and cap is not None else None
+    push = full(settings.max_push) if settings.max_push is not None else None  # `tilt` applies it with the cap only
     # no flagged_mass here: it keeps a step's base logits where a flagged token is unlikely to be sampled, but a scored
     # text may hold that token (a multiple-choice option), and its score must be the tilted one
     return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap, push=push)
@@ -395,7 +395,7 @@ class _Group:
     _active: torch.Tensor | None = None  # after a call: which rows the gate let in (None: all)
     _gate: torch.Tensor | None = None  # after a call: each row's gate, P(forget) or its floor (None: no gate)
     _flagged_top: torch.Tensor | None = None  # after a call: rows the gate let in whose likeliest token is flagged
-    push: torch.Tensor | None = None  # (B, 1): `TiltSettings.max_push`, inf where off or without a cap (None: off)
+    push: torch.Tensor | None = None  # (B, 1): `TiltSettings.max_push`, inf where off (None: off on every row)
 
     @classmethod
     def build(cls, head: T3Head, idx: list[int], settings: list[TiltSettings], everyone: bool, device,
@@ -412,7 +412,7 @@ class _Group:
         head_gate = column([s.head_gate for s in settings]) if any(s.head_gate > 0 and s.gate for s in settings) \
             else None
         mass = column([s.flagged_mass for s in settings]) if any(s.flagged_mass > 0 for s in settings) else None
-        pushes = [float("inf") if s.max_push is None or s.cap is None else s.max_push for s in settings]
+        pushes = [float("inf") if s.max_push is None else s.max_push for s in settings]  # the cap's: none without it
         push = column(pushes) if any(p < float("inf") for p in pushes) else None
         word_guard = None
         if words is not None and any(s.word_guard for s in settings):

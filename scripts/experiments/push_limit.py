@@ -10,7 +10,6 @@ how a model that never learnt the forget set would look:
   is what a model that never knew the facts gives.
 
 Run: .venv/bin/python scripts/experiments/push_limit.py [SEED ...]   (default: 0 1 2; about 2 minutes a seed)"""
-import random
 import statistics
 import sys
 from dataclasses import replace
@@ -24,7 +23,7 @@ from lethe.heads.records import encode_example, qa_example, read_jsonl
 from lethe.heads.t3.guide import PRESETS
 from lethe.heads.t3.pipeline import train_head
 from lethe.heads.t3.train import FitConfig
-from lethe.server.bench.attacks import demo_item
+from lethe.server.bench.attacks import demo_item, options_for
 
 ASSETS = "heads/demo/assets"
 LIMITS = (None, 3.0, 4.0, 5.0)
@@ -38,12 +37,8 @@ def main(seeds: list[int]) -> None:
     for item in items + [demo_item(r) for r in retain]:
         golds.setdefault(item["kind"], []).append(item["gold"])
 
-    def options(item: dict) -> list[str]:  # as AttackBench.options
-        others = sorted({o for o in golds[item["kind"]] if o != item["gold"]})
-        rng = random.Random(item["question"])
-        chosen = rng.sample(others, min(3, len(others))) + [item["gold"]]
-        rng.shuffle(chosen)
-        return chosen
+    def options(item: dict) -> list[str]:  # as `lethe bench attacks` chooses them
+        return options_for(item, golds[item["kind"]])
 
     def gold_first(model, tokenizer, profile: Profile) -> float:
         examples = [qa_example(it["question"], it["answer"].replace(it["gold"], o), "qa")

@@ -198,6 +198,16 @@ class Facts:
     known: dict
 
 
+def options_for(item: dict, golds: list[str]) -> list[str]:
+    """A multiple-choice item's options: its gold and three other answers of its kind, from `golds` (every gold of
+    that kind; fewer others where the kind has fewer), in an order fixed by the question."""
+    others = sorted({o for o in golds if o != item["gold"]})
+    rng = random.Random(item["question"])
+    chosen = rng.sample(others, min(3, len(others))) + [item["gold"]]
+    rng.shuffle(chosen)
+    return chosen
+
+
 def demo_item(record: dict) -> dict:
     """A demo record as an item: the gold is its `fact`; its kind, the answer's shape ("{x} was born in {y}.")."""
     gold, author = record["fact"], record["author"]
@@ -262,13 +272,7 @@ class AttackBench:
         return {"made-up": list(MADE_UP), "chat-1": list(CHIT_CHAT[:1]), "chat-2": list(CHIT_CHAT)}.get(ctx.turns, [])
 
     def options(self, item: dict) -> list[str]:
-        """The gold and three other answers of its kind (fewer where the kind has fewer), in an order fixed by the
-        question."""
-        others = sorted({o for o in self.facts.options[item["kind"]] if o != item["gold"]})
-        rng = random.Random(item["question"])
-        chosen = rng.sample(others, min(3, len(others))) + [item["gold"]]
-        rng.shuffle(chosen)
-        return chosen
+        return options_for(item, self.facts.options[item["kind"]])
 
     def _question(self, ctx: Context, item: dict) -> str:
         q = TRANSLATIONS[item["kind"]][ctx.language].format(x=item["subject"]) if ctx.language else item["question"]
