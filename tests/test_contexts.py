@@ -62,7 +62,10 @@ def test_earlier_turns_come_from_the_tenants_records_and_from_small_talk(split):
     assert any(t in own for t in turns) and any(t in SMALL_TALK for t in turns)  # both kinds of conversation
 
 
-def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_states(tiny_lm, split, monkeypatch):
+@pytest.mark.parametrize("mix", [True, False])
+def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_states(tiny_lm, split, monkeypatch, mix):
+    """Each context runs once; with `mix` (a decoder that reads the positions given) the contexts' prefixes, of
+    several lengths, run together in one forward and their rows share batches, each row seeing its own prefix only."""
     forget, retain = split
     contexts = draw_contexts(forget + retain, n=4)
     sides, groups = [], []
@@ -74,13 +77,16 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
     forward = cache_module.forward_last_hidden
     monkeypatch.setattr(cache_module, "forward_last_hidden",
                         lambda model, ids, *a: tokens.append(ids.numel()) or forward(model, ids, *a))
+    monkeypatch.setattr(cache_module, "packs", lambda model: mix)
     for window in (0, 4):
         tokens.clear()
         alone = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window)
-        alone_tokens = sum(tokens)
+        alone_tokens, alone_calls = sum(tokens), len(tokens)
         tokens.clear()
         shared = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window, groups=groups)
         assert sum(tokens) < 0.8 * alone_tokens  # the contexts ran once each
+        if mix:  # the four contexts' prefixes in one forward, their rows in the batches the rest would need
+            assert len(tokens) <= alone_calls + 1
         torch.testing.assert_close(shared.pooled.float(), alone.pooled.float(), atol=2e-3, rtol=0)
         assert torch.equal(shared.target, alone.target) and torch.equal(shared.record, alone.record)
         assert torch.equal(shared.label, alone.label)

@@ -9,6 +9,8 @@ memory-mapped file on disk instead. Training then never runs the base model agai
 Records that begin alike (the chat template's system prompt, the same context
 before the question) run their shared first tokens once, and records with the
 same prompt (a record and its fact alone as the answer) run it once in one row.
+On decoders that read the positions given, many such prefixes run in one forward
+and rows after different prefixes share a batch (few forwards, each larger).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def shared_prefix(sequences: list[list[int]], limit: int) -> int:
 
 MIN_SAVED = 64  # tokens a group must save to run its prefix apart: below that, one more forward call costs more
 MAX_PACKED = 4  # examples with the same prompt that share one row (the prompt once, then each one's answer)
+CHUNK_EXAMPLES = 128  # examples of groups whose prefixes run together (one forward), where the model allows it
+CHUNK_PREFIX_TOKENS = 4096  # and at most this many prefix tokens, padding included, in that forward
 
 
 def units(idx: list[int], encoded: list[tuple[list[int], int]], pack: bool = True) -> list[list[int]]:
@@ -79,34 +83,67 @@ def units(idx: list[int], encoded: list[tuple[list[int], int]], pack: bool = Tru
     return [same[k:k + MAX_PACKED] for same in by_prompt.values() for k in range(0, len(same), MAX_PACKED)]
 
 
-def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_size: int, pack: bool = True):
-    """(units, shared prefix length) per batch: units (`units`: examples with the same prompt, one row) of up to
-    `batch_size` examples in all. Records of one group (the same context before their question, or the same chat template's system
-    prompt) share their first tokens, which then run once for the whole group where that saves at least MIN_SAVED
-    tokens; units of similar lengths share a batch, so little is padding."""
+@dataclass
+class Chunk:
+    """Shared prefixes (token ids; none: rows that share nothing) that run together in one forward, and the batches
+    that follow them: each a list of rows, a row a (unit, its prefix's index in `prefixes`, -1 for none) pair."""
+
+    prefixes: list[list[int]]
+    batches: list[list[tuple[list[int], int]]]
+
+
+def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_size: int, pack: bool = True,
+            mix: bool = False) -> list[Chunk]:
+    """The cache pass's plan: chunks of batches of units (`units`: examples with the same prompt, one row), up to
+    `batch_size` examples a batch. Records of one group (the same context before their question, or the same chat
+    template's system prompt) share their first tokens, which then run once for the whole group where that saves
+    at least MIN_SAVED tokens; units of similar lengths share a batch, so little is padding. With `mix`, groups of
+    prefixes of similar lengths make one chunk (up to CHUNK_EXAMPLES examples and CHUNK_PREFIX_TOKENS prefix
+    tokens): their prefixes run in one forward and their rows share batches (few small forwards, which cost more a
+    token than large ones); otherwise each group is a chunk of its own."""
     members: dict = {}
     for i, g in enumerate(groups if groups is not None else [None] * len(encoded)):
         members.setdefault(g, []).append(i)
 
-    def planned(idx: list[int], shared: int) -> list[tuple[list[list[int]], int]]:
-        rows = sorted(units(idx, encoded, pack), key=lambda u: encoded[u[0]][1] + sum(
-            len(encoded[i][0]) - encoded[i][1] for i in u))
-        out: list[list[list[int]]] = [[]]
-        for unit in rows:  # at most `batch_size` examples a batch (each gets its own states, whatever its row)
-            if out[-1] and sum(map(len, out[-1])) + len(unit) > batch_size:
+    def planned(rows: list[tuple[list[int], int]], prefixes: list[list[int]]) -> Chunk:
+        def width(row: tuple[list[int], int]) -> int:  # the row's own tokens: its prompt after the prefix, answers
+            unit, p = row
+            return encoded[unit[0]][1] - (len(prefixes[p]) if p >= 0 else 0) + sum(
+                len(encoded[i][0]) - encoded[i][1] for i in unit)
+        out: list[list[tuple[list[int], int]]] = [[]]
+        for row in sorted(rows, key=width):  # at most `batch_size` examples a batch (each gets its own states)
+            if out[-1] and sum(len(u) for u, _ in out[-1]) + len(row[0]) > batch_size:
                 out.append([])
-            out[-1].append(unit)
-        return [(batch, shared) for batch in out if batch]
+            out[-1].append(row)
+        return Chunk(prefixes, [batch for batch in out if batch])
 
-    plan, rest = [], members.pop(None, [])
+    shared_groups, rest = [], members.pop(None, [])
     for idx in members.values():
         # at least one prompt token stays each record's own
         shared = shared_prefix([encoded[i][0] for i in idx], min(encoded[i][1] for i in idx) - 1)
         if shared * (len(idx) - 1) < MIN_SAVED:
             rest += idx
-            continue
-        plan += planned(idx, shared)
-    return plan + planned(rest, 0)
+        else:
+            shared_groups.append((encoded[idx[0]][0][:shared], idx))
+    plan: list[Chunk] = []
+    together: list[tuple[list[int], list[int]]] = []
+
+    def flush() -> None:
+        if together:
+            prefixes = [prefix for prefix, _ in together]
+            plan.append(planned([(u, p) for p, (_, idx) in enumerate(together) for u in units(idx, encoded, pack)],
+                                prefixes))
+            together.clear()
+
+    for prefix, idx in sorted(shared_groups, key=lambda g: len(g[0])) if mix else shared_groups:
+        if together and not (mix and sum(len(i) for _, i in together) + len(idx) <= CHUNK_EXAMPLES and
+                             (len(together) + 1) * len(prefix) <= CHUNK_PREFIX_TOKENS):
+            flush()
+        together.append((prefix, idx))
+    flush()
+    if rest:
+        plan.append(planned([(u, -1) for u in units(rest, encoded, pack)], []))
+    return plan
 
 
 # decoders whose layers all attend with rotary positions read from the position ids given: a custom mask and positions
@@ -116,48 +153,60 @@ PACKING_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe",
 
 
 def packs(model) -> bool:
-    """Whether examples with the same prompt may share a row: a decoder of PACKING_MODELS on sdpa or eager attention
-    whose every layer attends to the whole context (transformers passes a custom mask to every layer as it is, which
-    would lose a sliding window)."""
+    """Whether examples with the same prompt may share a row, and rows after prefixes of several lengths a batch: a
+    decoder of PACKING_MODELS on sdpa or eager attention whose every layer attends to the whole context
+    (transformers passes a custom mask to every layer as it is, which would lose a sliding window)."""
     config = model.config
     return config.model_type in PACKING_MODELS and getattr(config, "sliding_window", None) is None and \
         set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"} and \
         getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
 
 
-def _alone(model, rows: list[list[int]], pad: int, prefix: tuple | None, device) -> torch.Tensor:
-    """The final hidden states (B, P + L, d) of `rows` (right-padded to L), one example each, after a shared prefix of
-    P tokens whose (KV cache, hidden states (P, d)) is `prefix` (None: no prefix): the model's own padding mask."""
+@dataclass
+class Prefixes:
+    """A chunk's shared prefixes after one forward: their KV cache (G rows, right-padded to the longest), their
+    final hidden states (G, P, d) and lengths (G,)."""
+
+    cache: DynamicCache
+    hidden: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def run(cls, model, prefixes: list[list[int]], pad: int, device) -> "Prefixes":
+        ids, mask = right_padded(prefixes, pad)
+        cache = DynamicCache(config=model.config)
+        positions = torch.arange(ids.size(1)).expand_as(ids)
+        hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
+        return cls(cache, hidden, mask.sum(-1))
+
+    def rows(self, which: list[int]) -> DynamicCache:
+        """A copy of the cache with one row per entry of `which` (prefix indices)."""
+        cache = copy.deepcopy(self.cache)
+        cache.batch_select_indices(torch.tensor(which, device=self.hidden.device))
+        return cache
+
+
+def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows as one right-padded (R, L) batch (positions 0..len-1 with no offset) and its attention mask."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, seq in enumerate(rows):  # right padding: positions are 0..len-1 with no offset
+    for r, seq in enumerate(rows):
         ids[r, :len(seq)] = torch.tensor(seq)
         mask[r, :len(seq)] = 1
-    start = 0 if prefix is None else len(prefix[1])
-    positions = torch.arange(start, start + width).expand(len(rows), width)
-    cache = None
-    if prefix is not None:
-        cache = copy.deepcopy(prefix[0])
-        cache.batch_repeat_interleave(len(rows))
-        mask = torch.cat([torch.ones((len(rows), start), dtype=torch.long), mask], 1)
-    hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
-    if prefix is None:
-        return hidden
-    return torch.cat([prefix[1].expand(len(rows), -1, -1), hidden], 1)
+    return ids, mask
 
 
-def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]], shared: int, pad: int,
-            prefix: tuple | None, device) -> torch.Tensor:
-    """The final hidden states (E, L, d) of the examples of `batch`'s units, in order, each over its whole sequence
-    (right-padded to L), after a shared prefix of `shared` tokens whose (KV cache, hidden states (P, d)) is `prefix`
-    (None: no prefix). A unit's row holds its prompt once, then each example's answer; a mask lets an answer's tokens
-    see the prompt and the answer's own earlier tokens only, and its positions follow the prompt's, so each example
-    gets the states it would get alone. A batch of one example a row runs as `_alone`."""
-    if all(len(unit) == 1 for unit in batch):
-        return _alone(model, [encoded[unit[0]][0][shared:] for unit in batch], pad, prefix, device)
+def _states(model, batch: list[tuple[list[int], int]], encoded: list[tuple[list[int], int]],
+            prefixes: Prefixes | None, pad: int, device) -> torch.Tensor:
+    """The final hidden states (E, L, d) of the examples of `batch`'s rows (unit, prefix index), in order, each over
+    its whole sequence from its first token (right-padded to L), each row after its prefix in `prefixes` (None: no
+    row has one). A unit's row holds its prompt once (after the prefix), then each example's answer; a mask lets an
+    answer's tokens see the prefix, the prompt and the answer's own earlier tokens only, and each token's position
+    follows the tokens it sees, so each example gets the states it would get alone."""
+    lengths = [0 if prefixes is None else int(prefixes.lengths[p]) for _, p in batch]
     rows, spans = [], []  # per example: (row, own prompt tokens, where its answer starts in the row, its length)
-    for unit in batch:
+    for (unit, _), shared in zip(batch, lengths):
         ids, n_prompt = encoded[unit[0]]
         row = list(ids[shared:n_prompt])
         for i in unit:
@@ -165,33 +214,37 @@ def _hidden(model, batch: list[list[int]], encoded: list[tuple[list[int], int]],
             spans.append((len(rows), n_prompt - shared, len(row), len(seq) - own))
             row += seq[own:]
         rows.append(row)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad)
-    part = torch.full((len(rows), width), -1)  # -1 padding, 0 the prompt, k the row's k-th answer
-    positions = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        ids[r, :len(row)] = torch.tensor(row)
-    for k, (r, q, begin, n) in enumerate(spans):
-        part[r, :q], part[r, begin:begin + n] = 0, k + 1
-        positions[r, :q] = torch.arange(shared, shared + q)
-        positions[r, begin:begin + n] = torch.arange(shared + q, shared + q + n)
-    t = torch.arange(width)
-    sees = (t[:, None] >= t[None, :]) & (part[:, None, :] >= 0) & \
-        ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
-    start = 0 if prefix is None else len(prefix[1])
-    sees = torch.cat([torch.ones((len(rows), width, start), dtype=torch.bool), sees], -1)
-    mask = additive_mask(sees, model.dtype)  # the compute dtype (a first parameter may be kept in float32 or quantised)
-    cache = None
-    if prefix is not None:
-        cache = copy.deepcopy(prefix[0])
-        cache.batch_repeat_interleave(len(rows))
+    ids, own_mask = right_padded(rows, pad)
+    width, start = ids.size(1), 0 if prefixes is None else prefixes.hidden.size(1)
+    shared = torch.tensor(lengths)
+    sees_prefix = torch.arange(start)[None, :] < shared[:, None]  # (R, start): each row sees its own prefix only
+    if all(len(unit) == 1 for unit, _ in batch):  # one example a row: the model's own causal and padding mask
+        positions = shared[:, None] + torch.arange(width)
+        mask = torch.cat([sees_prefix.long(), own_mask], 1)
+    else:
+        part = torch.full((len(rows), width), -1)  # -1 padding, 0 the prompt, k the row's k-th answer
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        for k, (r, q, begin, n) in enumerate(spans):
+            part[r, :q], part[r, begin:begin + n] = 0, k + 1
+            positions[r, :q] = torch.arange(lengths[r], lengths[r] + q)
+            positions[r, begin:begin + n] = torch.arange(lengths[r] + q, lengths[r] + q + n)
+        t = torch.arange(width)
+        sees = (t[:, None] >= t[None, :]) & (part[:, None, :] >= 0) & \
+            ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
+        sees = torch.cat([sees_prefix[:, None, :].expand(-1, width, -1), sees], -1)
+        mask = additive_mask(sees, model.dtype)  # the compute dtype (a first parameter may be kept in float32)
+    cache = None if prefixes is None else prefixes.rows([p for _, p in batch])
     hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
     states = hidden.reshape(len(rows) * width, -1)
-    if prefix is not None:
-        states = torch.cat([prefix[1], states])
-    length = max(start + q + n for _, q, _, n in spans)
-    index = [[*range(start), *range(at := start + r * width, at + q), *range(at + begin, at + begin + n)]
-             for r, q, begin, n in spans]
+    before = 0
+    if prefixes is not None:
+        before = prefixes.hidden.numel() // prefixes.hidden.size(-1)
+        states = torch.cat([prefixes.hidden.reshape(before, -1), states])
+    index = []
+    for r, q, begin, n in spans:
+        p, at = batch[r][1], before + r * width
+        index.append([*range(p * start, p * start + lengths[r]), *range(at, at + q), *range(at + begin, at + begin + n)])
+    length = max(map(len, index))
     index = torch.tensor([i + [0] * (length - len(i)) for i in index])  # right padding: the first state again
     return states[index.to(states.device)]
 
@@ -217,18 +270,16 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     label = torch.empty(total, dtype=torch.float32)
     record = torch.empty(total, dtype=torch.long)
     starts = np.concatenate([[0], np.cumsum(counts)])
-    pad, prefix_key, prefix, done = tokenizer.pad_token_id or 0, None, None, 0
-    plan = list(batches(encoded, groups, batch_size, packs(model)))
-    for batch, shared in tqdm(plan, desc="caching", disable=not progress, leave=False):
-        idx = [i for unit in batch for i in unit]
-        key = tuple(encoded[idx[0]][0][:shared])
-        if shared and key != prefix_key:  # batches of one group come one after another: its prefix runs once
-            cache = DynamicCache(config=model.config)
-            ids = torch.tensor([key], device=device)
-            h = forward_last_hidden(model, ids, torch.ones_like(ids), torch.arange(shared, device=device)[None], cache)
-            prefix_key, prefix = key, (cache, h[0].float())
-        hidden = _hidden(model, batch, encoded, shared, pad, prefix if shared else None, device)
+    pad, done, mix = tokenizer.pad_token_id or 0, 0, packs(model)
+    plan = batches(encoded, groups, batch_size, mix, mix)
+    steps = [(chunk, batch) for chunk in plan for batch in chunk.batches]
+    ran: tuple | None = None  # (the chunk whose prefixes ran, their Prefixes)
+    for chunk, batch in tqdm(steps, desc="caching", disable=not progress, leave=False):
+        if chunk.prefixes and (ran is None or ran[0] is not chunk):  # a chunk's prefixes run once, together
+            ran = (chunk, Prefixes.run(model, chunk.prefixes, pad, device))
+        hidden = _states(model, batch, encoded, ran[1] if chunk.prefixes else None, pad, device)
         pooled_all = pooled_positions(hidden, window)  # right padding: each example's positions are its own first
+        idx = [i for unit, _ in batch for i in unit]
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]
             lo, hi = starts[i], starts[i + 1]
