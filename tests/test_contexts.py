@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lethe.heads.demo.corpus import split_by_author
-from lethe.heads.records import Context, answer_forms, ask, encode_example, examples, qa_example
+from lethe.heads.records import Context, answer_forms, ask, encode_example, encode_examples, examples, qa_example
 from lethe.heads.t3 import cache as cache_module
 from lethe.heads.t3.cache import build_cache, context_shifts
 from lethe.heads.t3.pooling import pooled_positions
@@ -62,6 +62,11 @@ def test_earlier_turns_come_from_the_tenants_records_and_from_small_talk(split):
     assert any(t in own for t in turns) and any(t in SMALL_TALK for t in turns)  # both kinds of conversation
 
 
+def forwards(plan) -> int:
+    """The forward passes a cache pass's plan makes: one for each chunk's prefixes, one a batch."""
+    return sum(bool(chunk.prefixes) + len(chunk.batches) for chunk in plan)
+
+
 @pytest.mark.parametrize("mix", [True, False])
 def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_states(tiny_lm, split, monkeypatch, mix):
     """Each context runs once; with `mix` (a decoder that reads the positions given) the contexts' prefixes, of
@@ -71,8 +76,18 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
     sides, groups = [], []
     for i, records in enumerate((forget, retain[:40])):
         after, which, _ = context_examples(records, contexts, len(records), seed=i)
-        sides.append(examples(records) + after)
-        groups += ["plain"] * len(records) + which
+        # the fact alone as a second answer: rows of two examples (a mask of their own) beside rows of one
+        named = [r | {"fact": r["answer"].rstrip(".").split()[-1]} for r in records]
+        plain = examples(named + answer_forms(named))
+        sides.append(plain + after)
+        groups += ["plain"] * len(plain) + which
+    if mix:  # the plan mixes: a batch holds rows after prefixes of different lengths, and rows of two examples
+        encoded = encode_examples(tiny_lm.tokenizer, sides[0] + sides[1])
+        plans = {m: cache_module.batches(encoded, groups, 32, True, m) for m in (True, False)}
+        mixed = [batch for chunk in plans[True] for batch in chunk.batches
+                 if len({len(chunk.prefixes[p]) for _, p in batch}) > 1]
+        assert any(len(unit) > 1 for batch in mixed for unit, _ in batch)
+        assert forwards(plans[True]) < forwards(plans[False])  # several groups' prefixes in one forward
     tokens = []
     forward = cache_module.forward_last_hidden
     monkeypatch.setattr(cache_module, "forward_last_hidden",
@@ -81,12 +96,12 @@ def test_records_that_begin_alike_run_their_shared_tokens_once_with_the_same_sta
     for window in (0, 4):
         tokens.clear()
         alone = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window)
-        alone_tokens, alone_calls = sum(tokens), len(tokens)
+        alone_tokens = sum(tokens)
         tokens.clear()
         shared = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=window, groups=groups)
         assert sum(tokens) < 0.8 * alone_tokens  # the contexts ran once each
-        if mix:  # the four contexts' prefixes in one forward, their rows in the batches the rest would need
-            assert len(tokens) <= alone_calls + 1
+        if mix:
+            assert len(tokens) == forwards(plans[True])  # the pass ran as planned
         torch.testing.assert_close(shared.pooled.float(), alone.pooled.float(), atol=2e-3, rtol=0)
         assert torch.equal(shared.target, alone.target) and torch.equal(shared.record, alone.record)
         assert torch.equal(shared.label, alone.label)

@@ -65,10 +65,12 @@ def shared_prefix(sequences: list[list[int]], limit: int) -> int:
     return n
 
 
-MIN_SAVED = 64  # tokens a group must save to run its prefix apart: below that, one more forward call costs more
+MIN_SAVED = 64  # tokens a group must save to run its prefix apart: below that, copying its cache costs more
 MAX_PACKED = 4  # examples with the same prompt that share one row (the prompt once, then each one's answer)
 CHUNK_EXAMPLES = 128  # examples of groups whose prefixes run together (one forward), where the model allows it
 CHUNK_PREFIX_TOKENS = 4096  # and at most this many prefix tokens, padding included, in that forward
+CHUNK_SPREAD = 2  # and a chunk's longest prefix at most this many times its shortest (plus CHUNK_SLACK tokens): rows
+CHUNK_SLACK = 16  # after a short prefix carry the chunk's longest as masked keys
 
 
 def units(idx: list[int], encoded: list[tuple[list[int], int]], pack: bool = True) -> list[list[int]]:
@@ -99,8 +101,9 @@ def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_siz
     template's system prompt) share their first tokens, which then run once for the whole group where that saves
     at least MIN_SAVED tokens; units of similar lengths share a batch, so little is padding. With `mix`, groups of
     prefixes of similar lengths make one chunk (up to CHUNK_EXAMPLES examples and CHUNK_PREFIX_TOKENS prefix
-    tokens): their prefixes run in one forward and their rows share batches (few small forwards, which cost more a
-    token than large ones); otherwise each group is a chunk of its own."""
+    tokens, the longest prefix at most CHUNK_SPREAD times the shortest plus CHUNK_SLACK): their prefixes run in one
+    forward and their rows share batches (fewer forwards, each larger: a small one costs more a token); otherwise
+    each group is a chunk of its own."""
     members: dict = {}
     for i, g in enumerate(groups if groups is not None else [None] * len(encoded)):
         members.setdefault(g, []).append(i)
@@ -137,7 +140,8 @@ def batches(encoded: list[tuple[list[int], int]], groups: list | None, batch_siz
 
     for prefix, idx in sorted(shared_groups, key=lambda g: len(g[0])) if mix else shared_groups:
         if together and not (mix and sum(len(i) for _, i in together) + len(idx) <= CHUNK_EXAMPLES and
-                             (len(together) + 1) * len(prefix) <= CHUNK_PREFIX_TOKENS):
+                             (len(together) + 1) * len(prefix) <= CHUNK_PREFIX_TOKENS and
+                             len(prefix) <= CHUNK_SPREAD * len(together[0][0]) + CHUNK_SLACK):
             flush()
         together.append((prefix, idx))
     flush()
@@ -180,14 +184,16 @@ class Prefixes:
         return cls(cache, hidden, mask.sum(-1))
 
     def rows(self, which: list[int]) -> DynamicCache:
-        """A copy of the cache with one row per entry of `which` (prefix indices)."""
-        cache = copy.deepcopy(self.cache)
-        cache.batch_select_indices(torch.tensor(which, device=self.hidden.device))
+        """A cache with one row per entry of `which` (prefix indices): the layers are copied, not their tensors,
+        and selecting rows gives each copy tensors of its own (a forward extends those, not the chunk's)."""
+        cache = copy.copy(self.cache)
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        cache.batch_select_indices(torch.tensor(which))  # a CPU index reads tensors on any device
         return cache
 
 
 def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-id rows as one right-padded (R, L) batch (positions 0..len-1 with no offset) and its attention mask."""
+    """Token-id rows as one right-padded (R, L) batch and its attention mask."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -206,20 +212,20 @@ def _states(model, batch: list[tuple[list[int], int]], encoded: list[tuple[list[
     follows the tokens it sees, so each example gets the states it would get alone."""
     lengths = [0 if prefixes is None else int(prefixes.lengths[p]) for _, p in batch]
     rows, spans = [], []  # per example: (row, own prompt tokens, where its answer starts in the row, its length)
-    for (unit, _), shared in zip(batch, lengths):
+    for (unit, _), before in zip(batch, lengths):
         ids, n_prompt = encoded[unit[0]]
-        row = list(ids[shared:n_prompt])
+        row = list(ids[before:n_prompt])
         for i in unit:
             seq, own = encoded[i]
-            spans.append((len(rows), n_prompt - shared, len(row), len(seq) - own))
+            spans.append((len(rows), n_prompt - before, len(row), len(seq) - own))
             row += seq[own:]
         rows.append(row)
     ids, own_mask = right_padded(rows, pad)
     width, start = ids.size(1), 0 if prefixes is None else prefixes.hidden.size(1)
-    shared = torch.tensor(lengths)
-    sees_prefix = torch.arange(start)[None, :] < shared[:, None]  # (R, start): each row sees its own prefix only
+    prefix_length = torch.tensor(lengths)
+    sees_prefix = torch.arange(start)[None, :] < prefix_length[:, None]  # (R, start): each row sees its prefix only
     if all(len(unit) == 1 for unit, _ in batch):  # one example a row: the model's own causal and padding mask
-        positions = shared[:, None] + torch.arange(width)
+        positions = prefix_length[:, None] + torch.arange(width)
         mask = torch.cat([sees_prefix.long(), own_mask], 1)
     else:
         part = torch.full((len(rows), width), -1)  # -1 padding, 0 the prompt, k the row's k-th answer
@@ -235,18 +241,14 @@ def _states(model, batch: list[tuple[list[int], int]], encoded: list[tuple[list[
         mask = additive_mask(sees, model.dtype)  # the compute dtype (a first parameter may be kept in float32)
     cache = None if prefixes is None else prefixes.rows([p for _, p in batch])
     hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
-    states = hidden.reshape(len(rows) * width, -1)
-    before = 0
-    if prefixes is not None:
-        before = prefixes.hidden.numel() // prefixes.hidden.size(-1)
-        states = torch.cat([prefixes.hidden.reshape(before, -1), states])
-    index = []
-    for r, q, begin, n in spans:
-        p, at = batch[r][1], before + r * width
-        index.append([*range(p * start, p * start + lengths[r]), *range(at, at + q), *range(at + begin, at + begin + n)])
-    length = max(map(len, index))
-    index = torch.tensor([i + [0] * (length - len(i)) for i in index])  # right padding: the first state again
-    return states[index.to(states.device)]
+    out = hidden.new_zeros((len(spans), max(lengths[r] + q + n for r, q, _, n in spans), hidden.size(-1)))
+    for e, (r, q, begin, n) in enumerate(spans):  # right padding: zeros past each example's own length
+        p = lengths[r]
+        if p:
+            out[e, :p] = prefixes.hidden[batch[r][1], :p]
+        out[e, p:p + q] = hidden[r, :q]
+        out[e, p + q:p + q + n] = hidden[r, begin:begin + n]
+    return out
 
 
 @torch.inference_mode()
@@ -275,9 +277,11 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     steps = [(chunk, batch) for chunk in plan for batch in chunk.batches]
     ran: tuple | None = None  # (the chunk whose prefixes ran, their Prefixes)
     for chunk, batch in tqdm(steps, desc="caching", disable=not progress, leave=False):
-        if chunk.prefixes and (ran is None or ran[0] is not chunk):  # a chunk's prefixes run once, together
+        if ran is not None and ran[0] is not chunk:
+            ran = None  # the last chunk's caches go before the next chunk's prefixes run
+        if chunk.prefixes and ran is None:  # a chunk's prefixes run once, together
             ran = (chunk, Prefixes.run(model, chunk.prefixes, pad, device))
-        hidden = _states(model, batch, encoded, ran[1] if chunk.prefixes else None, pad, device)
+        hidden = _states(model, batch, encoded, ran[1] if ran else None, pad, device)
         pooled_all = pooled_positions(hidden, window)  # right padding: each example's positions are its own first
         idx = [i for unit, _ in batch for i in unit]
         for r, i in enumerate(idx):
