@@ -25,6 +25,7 @@ from lethe.heads.asu.attention import parse_layers, tempered, use_tempered_atten
 from lethe.heads.asu.subspace import complement, fold, input_covariances, kept_share, projected
 from lethe.heads.asu.teacher import names_fact, stating_fact
 from lethe.heads.asu.weights import _LAYER, TARGETS, ASUInfo, expected_tensors, lora_config, projection_shapes
+from lethe.heads.decoding.decode import right_padded
 from lethe.heads.records import Example, encode_example, examples, resolve_format
 from lethe.heads.t3.contexts import MAX_PER_FORGET, context_counts, context_examples, draw_contexts
 
@@ -85,15 +86,8 @@ class ASUConfig:
 def _batch(tokenizer, exs: list[Example], device):
     """Right-padded ids, mask, and per example the positions that predict its completion."""
     enc = [encode_example(tokenizer, e) for e in exs]
-    width = max(len(ids) for ids, _ in enc)
-    ids = torch.full((len(enc), width), tokenizer.pad_token_id or 0)
-    mask = torch.zeros((len(enc), width), dtype=torch.long)
-    spans = []
-    for r, (seq, n_prompt) in enumerate(enc):
-        ids[r, :len(seq)] = torch.tensor(seq)
-        mask[r, :len(seq)] = 1
-        spans.append((n_prompt - 1, len(seq) - 1))
-    return ids.to(device), mask.to(device), spans
+    ids, mask = right_padded([seq for seq, _ in enc], tokenizer.pad_token_id or 0)
+    return ids.to(device), mask.to(device), [(n_prompt - 1, len(seq) - 1) for seq, n_prompt in enc]
 
 
 def _answer_logits(model, ids, mask, spans) -> tuple[torch.Tensor, torch.Tensor]:

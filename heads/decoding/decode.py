@@ -106,6 +106,18 @@ def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
+def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows as one right-padded (B, L) batch and its attention mask (on the CPU): each row's positions are
+    0..len-1, as scoring and training read them."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, seq in enumerate(rows):
+        ids[r, :len(seq)] = torch.tensor(seq)
+        mask[r, :len(seq)] = 1
+    return ids, mask
+
+
 def decode_one_token(model, tokens, attention_mask, positions, cache) -> torch.Tensor:
     """Feed one token per row at its own position; return its hidden state (B, d)."""
     return forward_last_hidden(model, tokens[:, None], attention_mask, positions[:, None], cache)[:, 0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lethe.heads.decoding.decode import forward_last_hidden
+from lethe.heads.decoding.decode import forward_last_hidden, right_padded
 from lethe.heads.t3.guide import TiltSettings, whole_vocabulary
 from lethe.heads.t3.head import T3Head
 from lethe.heads.t3.pooling import pooled_positions
@@ -31,13 +31,8 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
     lm_head = model.get_output_embeddings()
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
-        width = max(len(encoded[i][0]) for i in idx)
-        ids = torch.full((len(idx), width), tokenizer.pad_token_id or 0)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, :len(encoded[i][0])] = torch.tensor(encoded[i][0])
-            mask[r, :len(encoded[i][0])] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = right_padded([encoded[i][0] for i in idx], tokenizer.pad_token_id or 0)
+        ids, mask, width = ids.to(device), mask.to(device), ids.size(1)
         positions = torch.arange(width, device=device).expand(len(idx), width)
         hidden = forward_last_hidden(model, ids, mask, positions, None)
         for r, i in enumerate(idx):

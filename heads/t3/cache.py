@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from lethe.heads.decoding.decode import additive_mask, forward_last_hidden
+from lethe.heads.decoding.decode import additive_mask, forward_last_hidden, right_padded
 from lethe.heads.records import Example, encode_examples
 from lethe.heads.t3.pooling import pooled_positions
 
@@ -169,11 +169,11 @@ def packs(model) -> bool:
 @dataclass
 class Prefixes:
     """A chunk's shared prefixes after one forward: their KV cache (G rows, right-padded to the longest), their
-    final hidden states (G, P, d) and lengths (G,)."""
+    final hidden states (G, P, d) and lengths."""
 
     cache: DynamicCache
     hidden: torch.Tensor
-    lengths: torch.Tensor
+    lengths: list[int]
 
     @classmethod
     def run(cls, model, prefixes: list[list[int]], pad: int, device) -> "Prefixes":
@@ -181,7 +181,7 @@ class Prefixes:
         cache = DynamicCache(config=model.config)
         positions = torch.arange(ids.size(1)).expand_as(ids)
         hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
-        return cls(cache, hidden, mask.sum(-1))
+        return cls(cache, hidden, mask.sum(-1).tolist())
 
     def rows(self, which: list[int]) -> DynamicCache:
         """A cache with one row per entry of `which` (prefix indices): the layers are copied, not their tensors,
@@ -192,17 +192,6 @@ class Prefixes:
         return cache
 
 
-def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-id rows as one right-padded (R, L) batch and its attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, seq in enumerate(rows):
-        ids[r, :len(seq)] = torch.tensor(seq)
-        mask[r, :len(seq)] = 1
-    return ids, mask
-
-
 def _states(model, batch: list[tuple[list[int], int]], encoded: list[tuple[list[int], int]],
             prefixes: Prefixes | None, pad: int, device) -> torch.Tensor:
     """The final hidden states (E, L, d) of the examples of `batch`'s rows (unit, prefix index), in order, each over
@@ -210,7 +199,7 @@ def _states(model, batch: list[tuple[list[int], int]], encoded: list[tuple[list[
     row has one). A unit's row holds its prompt once (after the prefix), then each example's answer; a mask lets an
     answer's tokens see the prefix, the prompt and the answer's own earlier tokens only, and each token's position
     follows the tokens it sees, so each example gets the states it would get alone."""
-    lengths = [0 if prefixes is None else int(prefixes.lengths[p]) for _, p in batch]
+    lengths = [0 if prefixes is None else prefixes.lengths[p] for _, p in batch]
     rows, spans = [], []  # per example: (row, own prompt tokens, where its answer starts in the row, its length)
     for (unit, _), before in zip(batch, lengths):
         ids, n_prompt = encoded[unit[0]]
@@ -274,27 +263,28 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     starts = np.concatenate([[0], np.cumsum(counts)])
     pad, done, mix = tokenizer.pad_token_id or 0, 0, packs(model)
     plan = batches(encoded, groups, batch_size, mix, mix)
-    steps = [(chunk, batch) for chunk in plan for batch in chunk.batches]
-    ran: tuple | None = None  # (the chunk whose prefixes ran, their Prefixes)
-    for chunk, batch in tqdm(steps, desc="caching", disable=not progress, leave=False):
-        if ran is not None and ran[0] is not chunk:
-            ran = None  # the last chunk's caches go before the next chunk's prefixes run
-        if chunk.prefixes and ran is None:  # a chunk's prefixes run once, together
-            ran = (chunk, Prefixes.run(model, chunk.prefixes, pad, device))
-        hidden = _states(model, batch, encoded, ran[1] if ran else None, pad, device)
-        pooled_all = pooled_positions(hidden, window)  # right padding: each example's positions are its own first
-        idx = [i for unit, _ in batch for i in unit]
-        for r, i in enumerate(idx):
-            seq, n_prompt = encoded[i]
-            lo, hi = starts[i], starts[i + 1]
-            rows = pooled_all[r, n_prompt - 1:len(seq) - 1].to(torch.float16).cpu()
-            pooled[lo:hi] = rows if isinstance(pooled, torch.Tensor) else rows.numpy()
-            target[lo:hi] = torch.tensor(seq[n_prompt:])
-            label[lo:hi] = labels[i]
-            record[lo:hi] = i
-        done += len(idx)
-        if on_progress is not None:
-            on_progress(min(1.0, done / len(encoded)))
+    bar = tqdm(total=sum(len(chunk.batches) for chunk in plan), desc="caching", disable=not progress, leave=False)
+    for chunk in plan:
+        prefixes = None  # the last chunk's caches go before this chunk's prefixes run
+        if chunk.prefixes:  # a chunk's prefixes run once, together
+            prefixes = Prefixes.run(model, chunk.prefixes, pad, device)
+        for batch in chunk.batches:
+            hidden = _states(model, batch, encoded, prefixes, pad, device)
+            pooled_all = pooled_positions(hidden, window)  # right padding: each example's positions are its own first
+            idx = [i for unit, _ in batch for i in unit]
+            for r, i in enumerate(idx):
+                seq, n_prompt = encoded[i]
+                lo, hi = starts[i], starts[i + 1]
+                rows = pooled_all[r, n_prompt - 1:len(seq) - 1].to(torch.float16).cpu()
+                pooled[lo:hi] = rows if isinstance(pooled, torch.Tensor) else rows.numpy()
+                target[lo:hi] = torch.tensor(seq[n_prompt:])
+                label[lo:hi] = labels[i]
+                record[lo:hi] = i
+            done += len(idx)
+            bar.update()
+            if on_progress is not None:
+                on_progress(min(1.0, done / len(encoded)))
+    bar.close()
     if isinstance(pooled, np.memmap):
         pooled.flush()
     return PooledCache(pooled, target, label, record, len(forget), len(retain))
