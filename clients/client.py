@@ -392,7 +392,7 @@ class Lethe:
     # heads, ASU weights and their jobs
     def train_head(self, forget: str, retain: str, **options: Any) -> JobOut:
         """Start a head job (options: rank, lr, weight_decay, max_epochs, balance, common_df, seed, format,
-        pooling_window, answer_forms, fact_spans, contexts, context_shift, gate_answers)."""
+        pooling_window, answer_forms, fact_spans, contexts, context_shift, gate_answers, cache_precision)."""
         return self._send(_r.train_head(forget, retain, options))
 
     def upload_head(self, source: Source) -> HeadOut:

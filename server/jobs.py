@@ -373,7 +373,8 @@ class JobRunner:
                                                     "calibrating": (0.8, 0.85), "evaluating": (0.85, 0.95)})
         cfg = FitConfig(**{k: params[k] for k in ("rank", "lr", "weight_decay", "max_epochs", "balance",
                                                    "common_df", "seed", "format", "pooling_window", "answer_forms",
-                                                   "fact_spans", "contexts", "context_shift", "gate_answers")
+                                                   "fact_spans", "contexts", "context_shift", "gate_answers",
+                                                   "cache_precision")
                            if k in params})
         lm = self._private()
         head, info = train_head(lm, forget, retain, cfg, progress=False, on_progress=progress)

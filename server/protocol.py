@@ -206,6 +206,11 @@ class HeadJobRequest(Strict):
                                           "the head's recommended `head_gate` is one nat past the lowest head logit "
                                           "of a token those answers chose, so none of them would open the gate; "
                                           "0: the head recommends no head_gate.")
+    cache_precision: Literal["auto", "model"] = Field(
+        "auto", description="The dtype of the cache pass's matrix products: `auto`, bfloat16 for a float32 model on "
+                            "a CPU that computes it natively (about twice as fast there; the cached states within a "
+                            "few tenths of a percent of float32's), the model's own elsewhere; `model`, always the "
+                            "model's own. The head's `metrics.cache_dtype` says which ran.")
 
 
 class ASUJobRequest(Strict):

@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="retain questions the base model answers once the head is fitted, to set the head's "
                         "recommended head_gate one nat past the lowest head logit of a token those answers chose; "
                         "0: no head_gate (default 64)")
+    p.add_argument("--cache-precision", choices=("auto", "model"), default=None,
+                   help="the dtype of the cache pass's matrix products: auto, bfloat16 for a float32 model on a CPU "
+                        "that computes it natively (about twice as fast), the model's own elsewhere; model, always "
+                        "the model's own (default auto)")
     p.add_argument("--quiet", action="store_true")
     _add_format_arg(p)
     p.add_argument("--out", type=Path, help="head file to write (safetensors); offline only, required there")
@@ -82,7 +86,8 @@ def cmd_heads_train(args) -> int:
                     pooling_window=args.pooling_window, answer_forms=args.answer_forms, contexts=args.contexts,
                     context_shift=args.context_shift,
                     **({} if args.gate_answers is None else {"gate_answers": args.gate_answers}),
-                    **({} if args.fact_spans is None else {"fact_spans": args.fact_spans}))
+                    **({} if args.fact_spans is None else {"fact_spans": args.fact_spans}),
+                    **({} if args.cache_precision is None else {"cache_precision": args.cache_precision}))
     head, info = train_head(lm, forget, retain, cfg, progress=not args.quiet)
     save_head(args.out, head, info)
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **info.metrics}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from lethe.heads.t3.cache import build_cache, context_shifts
+from lethe.heads.t3.cache import build_cache, cache_autocast, context_shifts
 from lethe.heads.t3.calibrate import asked, head_gate_for, lowest_chosen_logit
 from lethe.heads.t3.contexts import context_counts, context_examples, draw_contexts
 from lethe.heads.t3.guide import PRESETS, TiltSettings
@@ -29,6 +29,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
         raise ValueError("forget: the forget set is empty")
     if not retain:
         raise ValueError("retain: the retain set is empty")
+    autocast = cache_autocast(lm.model, cfg.cache_precision)  # first: a bad setting fails before any work
     fmt = resolve_format(lm.tokenizer, cfg.format)  # chat where the model has a template: what it serves
     extra = (answer_forms(forget, fmt), answer_forms(retain, fmt)) if cfg.answer_forms else ([], [])
     started = time.perf_counter()
@@ -48,7 +49,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
         groups += [("plain", "question" in r) for r in records + forms] + [("context", j) for j in which]
         added.append(len(after))
     cache = build_cache(lm.model, lm.tokenizer, *sides, progress=progress, on_progress=report("caching"),
-                        window=cfg.pooling_window, groups=groups)
+                        window=cfg.pooling_window, groups=groups, autocast=autocast)
     shifts = context_shifts(cache, pairs, seed=cfg.seed) if cfg.context_shift > 0 and pairs else None
     # forget examples that name their fact train the head on its tokens alone (FitConfig.fact_spans)
     spans = fact_flags(cache, fact_positions(lm.tokenizer, sides[0], facts)) if cfg.fact_spans else None
@@ -64,7 +65,9 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
         metrics["head_gate"] = {"answers": len(questions), "lowest_logit": None if lowest is None else round(lowest, 3),
                                 "head_gate": profile["head_gate"],
                                 "seconds": round(time.perf_counter() - calibrated, 3)}
-    metrics |= {"cache_seconds": round(cache_seconds, 3), "forget_records": len(forget),
+    metrics |= {"cache_seconds": round(cache_seconds, 3),
+                "cache_dtype": str(autocast or next(lm.model.parameters()).dtype).removeprefix("torch."),
+                "forget_records": len(forget),
                 "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
                 "context_records": added,
                 "positions": len(cache)}

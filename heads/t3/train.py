@@ -63,6 +63,9 @@ class FitConfig:
     # head_gate one nat past the lowest head logit of a token those answers chose (heads.t3.calibrate); 0: no
     # head_gate (off)
     gate_answers: int = 64
+    # the dtype of the cache pass's matrix products (heads.t3.cache.cache_autocast): "auto" bfloat16 on a CPU that
+    # computes it natively (about twice as fast there), "model" the model's own
+    cache_precision: str = "auto"
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

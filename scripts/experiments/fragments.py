@@ -5,10 +5,11 @@ trained as the head job trains it (saved to HEAD and reused on the next run), fo
 with the head's recommended profile in the plain, answer-prefix and few-shot contexts. For every answer with a
 non-word (KnownWords, as the bench counts them), each step: the base model's likeliest token and its probability,
 the head's logit for it, whether it continues a word, the gate, and the token chosen (TRACE=0: the answers only).
-Variants, by environment: WHOLE_WORDS=0 (without `whole_words`, which the script turns on by default); NEUTRAL=1 (every token the
-head leaves unflagged tilts alike: logsigmoid capped at log 1/2); STUBS=1 (the word guard also drops word starts of
-one or two letters, a capital first); LOOKAHEAD=1 (the first whole-words trial: full forwards, every start;
-SHOW_ENDS=1 prints each start's probability of ending its word).
+Variants, by environment: WHOLE_WORDS=0 (without `whole_words`, which the script turns on by default); NEUTRAL=1 (every
+token the head leaves unflagged tilts alike: logsigmoid capped at log 1/2); STUBS=1 (the word guard also drops word
+starts of one or two letters, a capital first); WORDS=1 (it drops every ASCII word start that is no known word of its
+own); LOOKAHEAD=1 (the first whole-words trial: full forwards, every start; SHOW_ENDS=1 prints each start's
+probability of ending its word).
 Run: .venv/bin/python scripts/experiments/fragments.py [MODEL] [HEAD]   (about 4 minutes on 2 cores, 2.5 with HEAD)
 """
 import math
@@ -151,6 +152,18 @@ if os.environ.get("STUBS") == "1":  # variant: the word guard also drops word st
     stubs = torch.tensor([t.startswith(" ") and 1 <= len(t.strip()) <= 2 and t.strip().isalpha() and t.strip()[0].isupper()
                           for t in texts])
     print("stubs:", int(stubs.sum()), [texts[i] for i in stubs.nonzero()[:30, 0].tolist()])
+    D.Batch._hand_words = lambda self: self.guide.use_words(joins | stubs) if self.guide.wants_words() else None
+if os.environ.get("WORDS") == "1":  # variant: the word guard also drops word starts that are no whole known word
+    texts = tok.batch_decode([[i] for i in range(len(joins))], clean_up_tokenization_spaces=False)
+    starts, lexicon = word_classes(tok).starts, KnownWords(languages=("fr", "de", "es"))
+
+    def stub(i: int) -> bool:  # a word start of ASCII letters that is not a word of its own ("Br", "Sz", "Bar"?)
+        w = texts[i].strip()
+        return bool(starts[i]) and w.isascii() and w.isalpha() and not (
+            (len(w) > 1 or w.lower() in ("a", "i")) and w in lexicon)
+    stubs = torch.tensor([stub(i) for i in range(len(joins))])
+    print("stubs:", int(stubs.sum()), "of", int(sum(map(bool, starts))), "starts;",
+          [texts[i] for i in stubs.nonzero()[:40, 0].tolist()])
     D.Batch._hand_words = lambda self: self.guide.use_words(joins | stubs) if self.guide.wants_words() else None
 guide = HeadGuide.uniform(head, settings)
 show = os.environ.get("TRACE", "1") == "1"

@@ -48,7 +48,8 @@ def quality_table(lm, reference, forget: list[dict], retain: list[dict], cfg: Ev
     cfg = cfg or EvalConfig()
     vocab = corpus_vocabulary(forget + retain)
     # the rows decode with the presets (head_gate 0), so the heads are not calibrated for one (gate_answers 0)
-    as_published = FitConfig(common_df=1.0, fact_spans=False, balance=False, gate_answers=0)  # every position
+    as_published = FitConfig(common_df=1.0, fact_spans=False, balance=False, gate_answers=0,  # every position
+                             cache_precision="model")  # the model's own dtype, as the published code runs it
     paper_head, _ = train_head(lm, forget, retain, as_published, progress=False)
     lethe_head, _ = train_head(lm, forget, retain, FitConfig(gate_answers=0), progress=False)
     ref_trs = truth_ratios(reference.model, reference.tokenizer, forget, Profile("reference"))
