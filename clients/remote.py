@@ -77,7 +77,7 @@ def heads_train(client: Lethe, args):
     options = {k: getattr(args, k) for k in ("rank", "lr", "weight_decay", "balance", "common_df", "seed", "format",
                                              "pooling_window", "answer_forms", "contexts", "context_shift")}
     options["max_epochs"] = args.epochs
-    for key in ("gate_answers", "fact_spans", "cache_precision"):  # sent only where given: a server before it refuses the field
+    for key in ("gate_answers", "fact_spans", "cache_precision"):  # sent only where given: an older server refuses it
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     job = client.train_head(*_dataset_ids(client, args), **options)

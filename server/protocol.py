@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
 from lethe.heads.t3.guide import MAX_CANDIDATES, MAX_REPEAT_GUARD, MAX_REPLY, MIN_T
+from lethe.heads.t3.cache import CACHE_PRECISIONS
 from lethe.heads.t3.contexts import MAX_PER_FORGET
 from lethe.heads.t3.pooling import DEFAULT_WINDOW, MAX_WINDOW
 from lethe.heads.records import text_problem
@@ -206,7 +207,7 @@ class HeadJobRequest(Strict):
                                           "the head's recommended `head_gate` is one nat past the lowest head logit "
                                           "of a token those answers chose, so none of them would open the gate; "
                                           "0: the head recommends no head_gate.")
-    cache_precision: Literal["auto", "model"] = Field(
+    cache_precision: Literal[CACHE_PRECISIONS] = Field(
         "auto", description="The dtype of the cache pass's matrix products: `auto`, bfloat16 for a float32 model on "
                             "a CPU that computes it natively (about twice as fast there; the cached states within a "
                             "few tenths of a percent of float32's), the model's own elsewhere; `model`, always the "

@@ -398,16 +398,19 @@ def test_a_head_job_trains_on_the_facts_records_name_where_asked_to(tenant_a):
 
 
 def test_a_head_job_runs_its_cache_pass_in_the_precision_asked(tenant_a):
+    from lethe.heads.t3.cache import native_bfloat16
+
     a = tenant_a["client"]
     f, r = tenant_a["datasets"]
     bad = a.post("/v1/heads", json={"forget": f, "retain": r, "cache_precision": "half"})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][-1] == "cache_precision"
-    job = a.post("/v1/heads", json={"forget": f, "retain": r, "cache_precision": "model", "max_epochs": 2,
-                                    "gate_answers": 0})
-    state = _wait_job(a, job.json()["id"])
-    assert state["status"] == "succeeded", state
-    assert a.get(f"/v1/heads/{state['head']}").json()["metrics"]["cache_dtype"] == "float32"  # the model's own
-    assert a.delete(f"/v1/heads/{state['head']}").status_code == 204
+    for precision, dtype in (("model", "float32"), ("auto", "bfloat16" if native_bfloat16() else "float32")):
+        job = a.post("/v1/heads", json={"forget": f, "retain": r, "cache_precision": precision, "max_epochs": 2,
+                                        "gate_answers": 0})
+        state = _wait_job(a, job.json()["id"])
+        assert state["status"] == "succeeded", state
+        assert a.get(f"/v1/heads/{state['head']}").json()["metrics"]["cache_dtype"] == dtype, precision
+        assert a.delete(f"/v1/heads/{state['head']}").status_code == 204
 
 
 def test_asu_job_profile_and_asu_plus_t3_on_the_shared_model(live, tenant_a):

@@ -101,9 +101,11 @@ def test_local_runs_offline_despite_lethe_url_and_writes_the_file(on_server, set
     forget, retain = set_files
     head = tmp_path / "head.safetensors"
     rc, stdout, err = run(capsys, "heads", "train", "--local", "--model", str(model_dir), "--forget", forget,
-                          "--retain", retain, "--out", str(head), "--rank", "4", "--epochs", "3", "--quiet")
+                          "--retain", retain, "--out", str(head), "--rank", "4", "--epochs", "3", "--quiet",
+                          "--cache-precision", "model")
     assert rc == 0, err
     assert head.is_file() and json.loads(stdout)["out"] == str(head)
+    assert json.loads(stdout)["cache_dtype"] == "float32"  # the model's own, as asked
     rc, stdout, err = run(capsys, "generate", "--local", "--model", str(model_dir), "--head", str(head),
                           "--max-new-tokens", "4", PROMPT)
     assert rc == 0 and stdout.strip(), err

@@ -33,9 +33,11 @@ def test_remote_commands_and_exit_codes(url, tiny_records, tmp_path, capsys):
     forget_id = out[0]
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in retain))
     rc, out = run(capsys, *auth, "heads", "train", "--forget", forget_id, "--retain", str(tmp_path / "r.jsonl"),
-                  "--wait", "--quiet", "--rank", "4")
+                  "--wait", "--quiet", "--rank", "4", "--cache-precision", "model")
     job = json.loads(out[0])
     assert rc == 0 and job["status"] == "succeeded" and job["head"].startswith("head_")
+    rc, out = run(capsys, *auth, "heads", "get", job["head"])
+    assert rc == 0 and json.loads(out[0])["metrics"]["cache_dtype"] == "float32", "the option reached the job"
     rc, out = run(capsys, *auth, "datasets", "list")
     assert rc == 0 and len(out) == 2, "the local retain file was uploaded as a dataset"
     assert run(capsys, *auth, "--field", "version", "profiles", "set", "p", "--head", job["head"])[1] == ["1"]

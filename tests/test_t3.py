@@ -95,32 +95,43 @@ def test_cache_spills_to_disk_beyond_its_memory_budget_with_the_same_contents(ti
 def test_cache_pass_precision_bfloat16_only_where_the_cpu_computes_it(tiny_lm, monkeypatch):
     from lethe.heads.t3 import cache as cache_module
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(cache_module, "native_bfloat16", lambda: True)
     assert cache_module.cache_autocast(tiny_lm.model, "auto") == torch.bfloat16
     assert cache_module.cache_autocast(tiny_lm.model, "model") is None
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert cache_module.cache_autocast(tiny_lm.model, "auto") is None  # slower than float32 without native support
+    monkeypatch.setattr(cache_module, "native_bfloat16", lambda: False)
+    assert cache_module.cache_autocast(tiny_lm.model, "auto") is None  # emulated bfloat16 is slower than float32
     with pytest.raises(ValueError, match="cache_precision"):
         cache_module.cache_autocast(tiny_lm.model, "half")
 
 
 def test_cache_pass_in_bfloat16_keeps_the_states_close_and_the_head_says_which_ran(tiny_lm, split, monkeypatch):
-    forget, retain = (examples(s) for s in split)
-    exact = build_cache(tiny_lm.model, tiny_lm.tokenizer, forget, retain, progress=False, window=16)
-    fast = build_cache(tiny_lm.model, tiny_lm.tokenizer, forget, retain, progress=False, window=16,
+    from lethe.heads.records import answer_forms
+    from lethe.heads.t3 import cache as cache_module
+    from lethe.heads.t3 import pipeline
+    from lethe.heads.t3.train import FitConfig
+
+    # records and their facts alone as the answer (packed rows, the custom mask), after one shared prefix
+    named = [r | {"fact": r["answer"].rstrip(".").split()[-1]} for r in split[0] + split[1][:40]]
+    sides = [examples(part + answer_forms(part)) for part in (named[:len(split[0])], named[len(split[0]):])]
+    groups = ["plain"] * sum(map(len, sides))
+    monkeypatch.setattr(cache_module, "packs", lambda model: True)
+    exact = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=16, groups=groups)
+    fast = build_cache(tiny_lm.model, tiny_lm.tokenizer, *sides, progress=False, window=16, groups=groups,
                        autocast=torch.bfloat16)
     idx = torch.arange(len(exact))
     a, b = exact.rows(idx), fast.rows(idx)
-    assert not torch.equal(a, b)  # the products ran in bfloat16
+    assert not torch.equal(a, b) and bool(torch.isfinite(b).all())  # the products ran in bfloat16
     assert float((a - b).norm() / a.norm()) < 0.02
     assert torch.equal(exact.target, fast.target) and torch.equal(exact.label, fast.label)
-    from lethe.heads.t3.train import FitConfig
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    asked = []
+    build = pipeline.build_cache
+    monkeypatch.setattr(pipeline, "build_cache", lambda *a, **k: asked.append(k["autocast"]) or build(*a, **k))
+    monkeypatch.setattr(cache_module, "native_bfloat16", lambda: True)
     cfg = FitConfig(max_epochs=1, gate_answers=0, contexts=0)
     assert train_head(tiny_lm, *split, cfg, progress=False)[1].metrics["cache_dtype"] == "bfloat16"
     cfg.cache_precision = "model"
     assert train_head(tiny_lm, *split, cfg, progress=False)[1].metrics["cache_dtype"] == "float32"
+    assert asked == [torch.bfloat16, None]
 
 
 def test_head_file_round_trip_and_every_check(tiny_lm, trained, tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +231,9 @@ def _states(model, batch: list[tuple[list[int], int]], encoded: list[tuple[list[
         sees = (t[:, None] >= t[None, :]) & (part[:, None, :] >= 0) & \
             ((part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None]))  # (R, query, key)
         sees = torch.cat([sees_prefix[:, None, :].expand(-1, width, -1), sees], -1)
-        mask = additive_mask(sees, model.dtype)  # the compute dtype (a first parameter may be kept in float32)
+        # the compute dtype (a first parameter may be kept in float32); under a bfloat16 autocast sdpa casts it, the
+        # lowest float32 becoming -inf: harmless, as no query is all masked (each sees itself; padding, the prompt)
+        mask = additive_mask(sees, model.dtype)
     cache = None if prefixes is None else prefixes.rows([p for _, p in batch])
     hidden = forward_last_hidden(model, ids.to(device), mask.to(device), positions.to(device), cache).float()
     out = hidden.new_zeros((len(spans), max(lengths[r] + q + n for r, q, _, n in spans), hidden.size(-1)))
@@ -271,8 +274,8 @@ def build_cache(model, tokenizer, forget: list[Example], retain: list[Example], 
     precision = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
     for chunk in plan:
         prefixes = None  # the last chunk's caches go before this chunk's prefixes run
-        with precision:
-            if chunk.prefixes:  # a chunk's prefixes run once, together
+        if chunk.prefixes:  # a chunk's prefixes run once, together
+            with precision:
                 prefixes = Prefixes.run(model, chunk.prefixes, pad, device)
         for batch in chunk.batches:
             with precision:
@@ -302,17 +305,24 @@ CACHE_PRECISIONS = ("auto", "model")
 
 def cache_autocast(model, precision: str = "auto") -> torch.dtype | None:
     """The dtype `build_cache` runs the model's matrix products in (torch.autocast), None for the model's own.
-    "auto": bfloat16 for a float32 model on a CPU that computes bfloat16 natively (AVX512-BF16 or AMX; oneDNN's
-    check), where it is about twice as fast and the cached states stay within a few tenths of a percent of float32's
-    (docs/forgetting-in-context.md, session 38); the model's own elsewhere (a GPU model keeps its dtype). "model":
-    always the model's own."""
+    "auto": bfloat16 for a float32 model on a CPU that computes bfloat16 natively (`native_bfloat16`), where it is
+    about twice as fast and the cached states stay within a few tenths of a percent of float32's
+    (docs/forgetting-in-context.md, "The cache pass in bfloat16"); the model's own elsewhere (a GPU model keeps its
+    dtype). "model": always the model's own."""
     if precision not in CACHE_PRECISIONS:
         raise ValueError(f"cache_precision: {precision!r} is not one of {', '.join(CACHE_PRECISIONS)}")
-    parameter = next(model.parameters())
-    if precision == "auto" and parameter.device.type == "cpu" and parameter.dtype == torch.float32 and \
-            torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if precision == "auto" and on_cpu and model.dtype == torch.float32 and native_bfloat16():
         return torch.bfloat16
     return None
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 products in hardware: AVX512-BF16 or AMX on x86 (oneDNN's own check also
+    passes plain AVX512, where bfloat16 is emulated and slower than float32); oneDNN's check elsewhere (Arm)."""
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 MAX_SHIFTS = 1 << 16  # rows of context shifts kept (float16: 2^16 x d x 2 bytes, 75 MB at d = 576)

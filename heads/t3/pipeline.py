@@ -66,7 +66,7 @@ def train_head(lm: LoadedModel, forget: list[dict], retain: list[dict], cfg: Fit
                                 "head_gate": profile["head_gate"],
                                 "seconds": round(time.perf_counter() - calibrated, 3)}
     metrics |= {"cache_seconds": round(cache_seconds, 3),
-                "cache_dtype": str(autocast or next(lm.model.parameters()).dtype).removeprefix("torch."),
+                "cache_dtype": str(autocast or lm.model.dtype).removeprefix("torch."),
                 "forget_records": len(forget),
                 "retain_records": len(retain), "answer_form_records": [len(e) for e in extra],
                 "context_records": added,
