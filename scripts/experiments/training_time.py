@@ -27,7 +27,7 @@ shared_cache = pipeline.build_cache
 def unshared_cache(*args, groups=None, **kwargs):  # the release before: no shared first tokens
     return shared_cache(*args, **kwargs)
 runs = [("the release before: whole context, no fact forms, no shared prefixes",
-         FitConfig(pooling_window=0, answer_forms=False, contexts=0, gate_answers=0)),
+         FitConfig(pooling_window=0, answer_forms=False, contexts=0, gate_answers=0, cache_precision="model")),
         ("window 16, fact forms, no contexts", FitConfig(contexts=0, gate_answers=0)),
         ("default but no head_gate calibration", FitConfig(gate_answers=0)), ("default", FitConfig())]
 runs += [(f"contexts {share}", FitConfig(contexts=float(share))) for share in sys.argv[2:]]
