@@ -313,6 +313,31 @@ def test_a_sticky_gate_stays_open_for_the_rest_of_the_answer_once_it_opened(path
     assert torch.equal(then[0].argmax(), opened[0].argmax())
 
 
+def test_sticky_floors_of_every_row_match_between_the_kernel_and_tensor_operations_over_many_steps():
+    # every row sticky, one head (the default batch): the kernel's floors live in its own gate buffer from step to
+    # step (no copy); they must be what the tensor operations keep, at every step, and survive dropping a row
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+
+    head, direction = _probed_head(5)
+    states = [-direction * 2, direction * 2, direction * 0.1, -direction * 0.5, direction * 2]
+    settings = TiltSettings(flagged_mass=0.0)
+    fused, ops = HeadGuide([(head, settings)] * 3, fused=True), HeadGuide([(head, settings)] * 3, fused=False)
+    logits = torch.randn(3, 40) * 3
+    with torch.inference_mode():
+        for step in range(len(states)):  # each row meets the states in its own order
+            pooled = torch.stack([states[(step + i) % len(states)] for i in range(3)])
+            a, b = fused(logits, pooled).clone(), ops(logits, pooled)
+            torch.testing.assert_close(fused.floor, ops.floor)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+        highest = torch.stack([head.forget_probability(torch.stack(states))] * 3).amax(-1)
+        torch.testing.assert_close(fused.floor, highest)
+        kept_fused, kept_ops = fused.kept([2, 0]), ops.kept([2, 0])
+        pooled = torch.stack([direction * 2, direction * 2])
+        kept_fused(logits[[2, 0]], pooled), kept_ops(logits[[2, 0]], pooled)
+        torch.testing.assert_close(kept_fused.floor, highest[[2, 0]])
+        torch.testing.assert_close(kept_fused.floor, kept_ops.floor)
+
+
 def test_sticky_gate_is_a_boolean_setting():
     from lethe.heads.t3.guide import TiltSettings
 

@@ -168,7 +168,7 @@ def ban_repeats(scores: torch.Tensor | np.ndarray, answer: list[int], n: int, cl
 def numpy_view(scores: torch.Tensor) -> torch.Tensor | np.ndarray:
     """`scores` as a numpy view where it is a CPU float32 tensor (writes go to `scores`), which the guard's few
     operations per row read and write without tensor dispatch; else `scores`."""
-    return scores.numpy() if scores.device.type == "cpu" and scores.dtype == torch.float32 else scores
+    return scores.numpy() if scores.is_cpu and scores.dtype == torch.float32 else scores
 
 
 def _ban(scores: torch.Tensor | np.ndarray, banned: list[int]) -> None:

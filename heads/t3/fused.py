@@ -79,6 +79,7 @@ class TiltKernel:
         self._out_np: np.ndarray | None = None
         self.active = np.ones(len(candidates), np.bool_)  # after a call: which rows the gate let in
         self.gate = np.ones(len(candidates), np.float32)  # after a call: each row's gate (1 where it is off)
+        self.gate_tensor = torch.from_numpy(self.gate)  # the same memory, as a tensor
         # after a call: the rows tilted at this step whose likeliest token the head flags (z < 0)
         self.flagged_top = np.zeros(len(candidates), np.bool_)
         self._no_floor = np.zeros(len(candidates), np.float32)

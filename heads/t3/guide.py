@@ -282,8 +282,10 @@ class HeadGuide:
                 gates = torch.zeros_like(floor)
                 for group in self._groups:
                     gates[group.rows] = group.last_gate()
-            # every row sticky (the default): the gates themselves (a copy: the kernel reuses its buffer)
-            self.floor = gates.clone() if self._all_sticky and torch.is_tensor(gates) else \
+            # every row sticky (the default): the gates themselves. A group's kernel writes its gates into the same
+            # buffer at its next call, each row's after reading its floor, so one group's needs no copy
+            one_kernel = self._groups[0].rows is None and self._groups[0].fused is not None
+            self.floor = (gates if one_kernel else gates.clone()) if self._all_sticky and torch.is_tensor(gates) else \
                 torch.where(self._sticky, gates, 0.0)
         return out
 
@@ -360,9 +362,13 @@ class HeadGuide:
     def repeat_guards(self) -> list[int]:
         """Per row, after a call: the n of the repeat guard the decode loop applies (`heads.decoding.repeats`),
         0 where it is off or the gate kept the row out."""
-        return self._per_row(lambda group: [n if active else 0 for n, active in
-                                            zip(group.repeat_guard, group.last_active())]
-                             if group.repeat_guard else [], 0)
+        def guards(group: _Group) -> list[int]:
+            return [n if active else 0 for n, active in zip(group.repeat_guard, group.last_active())] \
+                if group.repeat_guard else []
+
+        if self._groups and len(self._groups) == 1 and self._groups[0].rows is None:  # one group: every row
+            return guards(self._groups[0]) or [0] * self._size
+        return self._per_row(guards, 0)
 
 
 @dataclass
@@ -516,7 +522,7 @@ class _Group:
     def last_gate(self) -> torch.Tensor | float:
         """Each row's gate at the last call (1 where there is none)."""
         if self.fused is not None:
-            return torch.from_numpy(self.fused.gate)
+            return self.fused.gate_tensor
         return 1.0 if self._gate is None else self._gate
 
     def last_flagged_top(self) -> list[bool]:
