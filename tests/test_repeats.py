@@ -226,3 +226,14 @@ def test_ban_repeats_on_a_numpy_view_bans_what_the_tensor_path_bans():
         ban_repeats(numpy_view(view), answer, n, classes)
         ban_repeats(tensor, answer, n, classes)
         assert torch.equal(view.double(), tensor), (answer, values, n)
+
+
+def test_a_row_has_a_finite_score_left_as_numpy_counts_it_whatever_its_maximum():
+    # the guard keeps a row one choice: "left" means a finite score, read from the maximum where that is finite and
+    # from every score where the maximum is NaN or +inf
+    from lethe.heads.decoding.repeats import _finite_left
+
+    inf, nan = float("inf"), float("nan")
+    for values in ([-inf, -inf], [-inf, 1.0], [nan, -inf], [nan, 2.0], [inf, -inf], [inf, 0.5], [nan, inf], [3.0]):
+        row = np.asarray(values, dtype=np.float32)
+        assert _finite_left(row) == bool(np.isfinite(row).any()), values

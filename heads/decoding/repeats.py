@@ -171,6 +171,12 @@ def numpy_view(scores: torch.Tensor) -> torch.Tensor | np.ndarray:
     return scores.numpy() if scores.is_cpu and scores.dtype == torch.float32 else scores
 
 
+def _finite_left(row: np.ndarray) -> bool:
+    """Whether a finite score is left in `row`: its maximum tells, in one pass, unless that is NaN or +inf."""
+    top = row.max()
+    return math.isfinite(top) or (top != -np.inf and bool(np.isfinite(row).any()))
+
+
 def _ban(scores: torch.Tensor | np.ndarray, banned: list[int]) -> None:
     """-inf for `banned` (token ids) in one row's (V,) scores, unless no finite score would be left."""
     if not banned:
@@ -179,11 +185,13 @@ def _ban(scores: torch.Tensor | np.ndarray, banned: list[int]) -> None:
     if isinstance(row, np.ndarray):
         size = len(row)
         hit = [t for t in banned if t < size and math.isfinite(row[t])]
-        if hit:
-            kept = row[hit]
-            row[hit] = -np.inf
-            if not np.isfinite(row).any():  # no finite score left: nothing is banned
-                row[hit] = kept
+        if hit:  # a few tokens: one at a time, cheaper than numpy's indexing with a list
+            kept = [row[t] for t in hit]
+            for t in hit:
+                row[t] = -np.inf
+            if not _finite_left(row):  # nothing is banned
+                for t, value in zip(hit, kept):
+                    row[t] = value
         return
     ids = torch.tensor([t for t in banned if t < scores.size(0)], dtype=torch.long, device=scores.device)
     if len(ids) == 0 or not bool(torch.isfinite(scores[ids]).any()):
