@@ -186,6 +186,40 @@ def test_sticky_gates_follow_their_rows_as_rows_join_and_leave_a_running_batch(t
     assert differs > 0  # the floors changed some answer: carrying them wrongly would show
 
 
+def test_one_guide_reused_for_batch_after_batch_starts_each_with_no_gate_opened(tiny_lm, tiny_records):
+    # an evaluation decodes chunk after chunk of prompts with one guide (`generate_chunked`, a uniform guide): the
+    # sticky floors one batch's rows leave must not open the gates of the next batch's rows in their places
+    from lethe.heads.decoding.decode import generate_chunked
+    from lethe.heads.t3.guide import HeadGuide, TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    model, tok = tiny_lm.model, tiny_lm.tokenizer
+    torch.manual_seed(7)
+    head = T3Head(model.config.hidden_size, model.config.vocab_size, 4)
+    torch.nn.init.normal_(head.up.weight, std=2.0)
+    torch.nn.init.normal_(head.probe.weight, std=1.0)  # gates that open for some prompts' answers, not others'
+    torch.nn.init.constant_(head.probe.bias, -1.5)  # P(forget) = sigmoid(-probe)
+    head.eval().requires_grad_(False)
+    settings = TiltSettings(sticky_gate=True, repeat_guard=0, flagged_mass=0.0)
+    prompts = _prompts(tiny_records, 8)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    for fused in (True, False):
+        floors = []
+        for p in prompts:
+            guide = HeadGuide.uniform(head, settings, fused)
+            generate(model, tok, [p], params, guide)
+            floors.append(float(guide.floor[0]))
+        high, low = max(range(8), key=floors.__getitem__), min(range(8), key=floors.__getitem__)
+        assert floors[high] > 0.5 > floors[low]  # one prompt's answer opens the gate, another's never does
+        guide = HeadGuide.uniform(head, settings, fused)
+        generate(model, tok, [prompts[high]], params, guide)
+        generate(model, tok, [prompts[low]], params, guide)
+        assert float(guide.floor[0]) == floors[low], fused
+        shared = generate_chunked(model, tok, prompts, params, batch_size=2, guide=guide)
+        alone = [generate(model, tok, [p], params, HeadGuide.uniform(head, settings, fused))[0] for p in prompts]
+        assert [c.token_ids for c in shared] == [c.token_ids for c in alone], fused
+
+
 def test_engine_frees_the_row_of_a_client_that_went_away(tiny_lm):
     from lethe.server.engine import Engine, Pending
 

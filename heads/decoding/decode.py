@@ -296,6 +296,8 @@ class Batch:
         if len(prompts) != len(params) or not prompts:
             raise ValueError("need one SamplingParams per prompt, and at least one prompt")
         self.model, self.tokenizer, self.guide, self.adapters = model, tokenizer, guide, adapters
+        if hasattr(guide, "restart"):  # a guide an earlier batch used: its rows' gates are not these rows'
+            guide.restart()
         self._hand_words()
         self.eos = eos_ids(model, tokenizer)
         llama = self._llama = hasattr(model, "start_rows")  # a `heads.decoding.llamacpp.LlamaCppModel`

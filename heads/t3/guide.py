@@ -289,6 +289,12 @@ class HeadGuide:
                 torch.where(self._sticky, gates, 0.0)
         return out
 
+    def restart(self) -> None:
+        """A new batch of rows decodes with this guide (`generate_chunked` hands one guide chunk after chunk): no
+        row's gate has opened yet, whatever the rows before them in these places had (their sticky floors)."""
+        if self.floor is not None:
+            self.floor = torch.zeros_like(self.floor)
+
     def wants_words(self) -> bool:
         """Whether a row guards words and the guide has not been given the tokenizer's words yet (`words`)."""
         rows = [self.same] if self.same is not None else self.rows
