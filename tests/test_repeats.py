@@ -237,3 +237,19 @@ def test_a_row_has_a_finite_score_left_as_numpy_counts_it_whatever_its_maximum()
     for values in ([-inf, -inf], [-inf, 1.0], [nan, -inf], [nan, 2.0], [inf, -inf], [inf, 0.5], [nan, inf], [3.0]):
         row = np.asarray(values, dtype=np.float32)
         assert _finite_left(row) == bool(np.isfinite(row).any()), values
+
+
+@pytest.mark.parametrize("many", [2, 12])  # one at a time, and numpy's indexing past repeats.FEW
+def test_a_ban_drops_its_candidates_unless_none_would_be_left(many):
+    from lethe.heads.decoding.repeats import FEW, _ban
+
+    assert (many > FEW) == (many == 12)
+    row = np.arange(20, dtype=np.float32)
+    row[15:] = -np.inf
+    banned = list(range(many)) + [0, 17, 99]  # a repeat, a token without a score, one past the row
+    _ban(row, banned)
+    assert np.isneginf(row[:many]).all() and (row[many:15] == np.arange(many, 15)).all()
+    only = np.full(20, -np.inf, dtype=np.float32)
+    only[:many] = np.arange(many)
+    _ban(only, banned)  # every candidate banned: nothing is
+    assert (only[:many] == np.arange(many)).all() and np.isneginf(only[many:]).all()

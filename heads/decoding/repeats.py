@@ -171,6 +171,9 @@ def numpy_view(scores: torch.Tensor) -> torch.Tensor | np.ndarray:
     return scores.numpy() if scores.is_cpu and scores.dtype == torch.float32 else scores
 
 
+FEW = 8  # a ban of at most this many tokens writes them one at a time
+
+
 def _finite_left(row: np.ndarray) -> bool:
     """Whether a finite score is left in `row`: its maximum tells, in one pass, unless that is NaN or +inf."""
     top = row.max()
@@ -185,11 +188,16 @@ def _ban(scores: torch.Tensor | np.ndarray, banned: list[int]) -> None:
     if isinstance(row, np.ndarray):
         size = len(row)
         hit = [t for t in banned if t < size and math.isfinite(row[t])]
-        if hit:  # a few tokens: one at a time, cheaper than numpy's indexing with a list
-            kept = [row[t] for t in hit]
+        if len(hit) > FEW:
+            kept = row[hit]
+            row[hit] = -np.inf
+            if not _finite_left(row):  # nothing is banned
+                row[hit] = kept
+        elif hit:  # a few tokens (most steps: the one-token word said again): one at a time, cheaper than numpy's
+            kept = [row[t] for t in hit]  # indexing with a list
             for t in hit:
                 row[t] = -np.inf
-            if not _finite_left(row):  # nothing is banned
+            if not _finite_left(row):
                 for t, value in zip(hit, kept):
                     row[t] = value
         return

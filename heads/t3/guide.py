@@ -197,7 +197,8 @@ class HeadGuide:
     def __init__(self, rows: list[tuple[T3Head, TiltSettings] | None], fused: bool | None = None,
                  floor: torch.Tensor | None = None, words: torch.Tensor | None = None):
         """`floor`: per row, the highest gate its answer has had so far (rows with `sticky_gate`; 0 for the others):
-        what a batch hands on when it rebuilds its guide for rows that joined or left. `words`: per token id, whether
+        what a batch hands on when it rebuilds its guide for rows that joined or left (a new `Batch` given the
+        guide starts it again at 0: `restart`). `words`: per token id, whether
         it continues a word (`heads.decoding.repeats.WordClasses.joins`), for the word guard; None: the guard is off
         (the decode loop sets it from its tokenizer)."""
         self.rows = rows
@@ -282,11 +283,9 @@ class HeadGuide:
                 gates = torch.zeros_like(floor)
                 for group in self._groups:
                     gates[group.rows] = group.last_gate()
-            # every row sticky (the default): the gates themselves. A group's kernel writes its gates into the same
-            # buffer at its next call, each row's after reading its floor, so one group's needs no copy
-            one_kernel = self._groups[0].rows is None and self._groups[0].fused is not None
-            self.floor = (gates if one_kernel else gates.clone()) if self._all_sticky and torch.is_tensor(gates) else \
-                torch.where(self._sticky, gates, 0.0)
+            # every row sticky (the default): the gates themselves, no copy. One group's kernel writes its gates into
+            # the same buffer at its next call, each row's after reading its floor; other gates are fresh tensors
+            self.floor = gates if self._all_sticky and torch.is_tensor(gates) else torch.where(self._sticky, gates, 0.0)
         return out
 
     def restart(self) -> None:
@@ -313,8 +312,11 @@ class HeadGuide:
     def _per_row(self, read, empty):
         """Per row of the batch, after a call: what `read(group)` gives for the row in its group (a list over the
         group's rows), `empty` for rows without a head or whose group gives nothing."""
+        groups = self._groups or []
+        if len(groups) == 1 and groups[0].rows is None:  # one group of every row (the common batch): its list
+            return read(groups[0]) or [empty] * self._size
         out = [empty] * (self._size or 0)
-        for group in self._groups or []:
+        for group in groups:
             rows = range(len(out)) if group.rows is None else group.rows.tolist()
             for i, value in zip(rows, read(group)):
                 out[i] = value
@@ -368,13 +370,9 @@ class HeadGuide:
     def repeat_guards(self) -> list[int]:
         """Per row, after a call: the n of the repeat guard the decode loop applies (`heads.decoding.repeats`),
         0 where it is off or the gate kept the row out."""
-        def guards(group: _Group) -> list[int]:
-            return [n if active else 0 for n, active in zip(group.repeat_guard, group.last_active())] \
-                if group.repeat_guard else []
-
-        if self._groups and len(self._groups) == 1 and self._groups[0].rows is None:  # one group: every row
-            return guards(self._groups[0]) or [0] * self._size
-        return self._per_row(guards, 0)
+        return self._per_row(lambda group: [n if active else 0 for n, active in
+                                            zip(group.repeat_guard, group.last_active())]
+                             if group.repeat_guard else [], 0)
 
 
 @dataclass
