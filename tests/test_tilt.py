@@ -326,11 +326,10 @@ def test_sticky_floors_of_every_row_match_between_the_kernel_and_tensor_operatio
     with torch.inference_mode():
         seen = [[] for _ in range(3)]
         for step in range(4):  # each row meets four of the states, in its own order (row 1 never the first)
-            order = [(step + i) % len(states) for i in range(3)]
-            for i, j in enumerate(order):
-                seen[i].append(states[j])
-            a, b = fused(logits, torch.stack([states[j] for j in order])).clone(), ops(logits, torch.stack(
-                [states[j] for j in order]))
+            pooled = torch.stack([states[(step + i) % len(states)] for i in range(3)])
+            for i in range(3):
+                seen[i].append(pooled[i])
+            a, b = fused(logits, pooled).clone(), ops(logits, pooled)
             torch.testing.assert_close(fused.floor, ops.floor)
             assert torch.equal(a.argmax(-1), b.argmax(-1))
         highest = torch.stack([head.forget_probability(torch.stack(s)).amax() for s in seen])
