@@ -55,6 +55,11 @@ class Pending:
     repeat_guard: int = 0  # a row of ASU weights alone: its own repeat guard (heads.decoding.decode.Row)
 
 
+def _fail_prefill(pending: "Pending", error: Exception) -> None:
+    log.warning("request failed at prefill: %s: %s", type(error).__name__, error)
+    pending.future.set_exception(error)
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, max_batch_size: int = 16, max_queue: int = 256, metrics=None,
                  max_model_len: int | None = None, decoder=None, max_rows_per_caller: int | None = None):
@@ -245,24 +250,46 @@ class Engine:
     def _start_isolated(self, group: list[Pending]) -> tuple[Batch | None, list[Pending]]:
         """Prefill `group` together; if that raises, each request alone, so only the ones that fail alone fail
         (with their own error). Returns the batch of those that started (None if none did) and them."""
-        def fail(pending: Pending, error: Exception) -> None:
-            log.warning("request failed at prefill: %s: %s", type(error).__name__, error)
-            pending.future.set_exception(error)
-
         try:
             return self._start(group), group
         except Exception as e:
             if len(group) == 1:
-                fail(group[0], e)
+                _fail_prefill(group[0], e)
                 return None, []
-        started = []
+        alone = []
         for pending in group:
             try:
-                self._start([pending]).close()
-                started.append(pending)
+                alone.append((pending, self._start([pending])))
             except Exception as e:
-                fail(pending, e)
-        return (self._start(started), started) if started else (None, [])
+                _fail_prefill(pending, e)
+        return self._joined(alone)
+
+    def _joined(self, alone: list[tuple[Pending, Batch]]) -> tuple[Batch | None, list[Pending]]:
+        """Requests prefilled one by one, as one batch: merged (prefilled together again, they could fail as their
+        group did, and that error would fail the running batch: every tenant's rows), or, where the model's cache
+        cannot merge, prefilled together again; if that fails too, they fail, and the running batch goes on."""
+        started = [pending for pending, _ in alone]
+        if not alone:
+            return None, []
+        if all(b.can_merge() for _, b in alone):
+            batch = alone[0][1]
+            try:
+                for _, other in alone[1:]:
+                    batch.merge(other)
+                return batch, started
+            except Exception as e:
+                for pending, b in alone:
+                    b.close()
+                    _fail_prefill(pending, e)
+                return None, []
+        for _, b in alone:
+            b.close()
+        try:
+            return self._start(started), started
+        except Exception as e:
+            for pending in started:
+                _fail_prefill(pending, e)
+            return None, []
 
     def _start(self, group: list[Pending]) -> Batch:
         if self.metrics:

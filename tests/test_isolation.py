@@ -199,6 +199,49 @@ def test_a_row_that_raises_fails_alone_and_the_others_decode_as_alone(tiny_lm, m
         engine.close()
 
 
+@pytest.mark.parametrize("mergeable", [True, False])  # a plain growing cache; one rows cannot join (sliding windows)
+def test_a_group_that_fails_together_but_starts_alone_never_fails_the_running_batch(tiny_lm, monkeypatch, mergeable):
+    # a group whose prefill raises together (a GPU out of memory on many long prompts) while each of its requests
+    # starts alone: the engine prefilled the survivors together once more, that failed the same way, and the error
+    # failed the running batch's rows too (another tenant's). Now the survivors join as they started (merged), or,
+    # where the cache cannot merge, fail alone with that error; the running batch goes on either way
+    running_prompt = "Question: Who is Ada?\nAnswer:"
+    marked = ["Together. Question: Where was the author born?\nAnswer:",
+              "Together. Question: What did she write?\nAnswer:"]
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    long = SamplingParams(max_new_tokens=150, temperature=0, ignore_eos=True)
+    engine = Engine(tiny_lm, max_batch_size=8)
+    try:
+        alone = [engine.submit(Pending(p, params)).future.result(60).text for p in marked]
+        running_alone = engine.submit(Pending(running_prompt, long)).future.result(120).text
+        real_init, together = Batch.__init__, []
+
+        def init(self, model, tokenizer, group_prompts, *a, **k):  # too big together, fine alone
+            if sum("Together" in p for p in group_prompts) > 1:
+                together.append(len(group_prompts))
+                raise RuntimeError("injected: out of memory together")
+            real_init(self, model, tokenizer, group_prompts, *a, **k)
+
+        monkeypatch.setattr(Batch, "__init__", init)
+        if not mergeable:
+            monkeypatch.setattr(Batch, "can_merge", lambda self: False)
+        running, streaming, hold = Pending(running_prompt, long), threading.Event(), threading.Event()
+        running.on_text = lambda _text, _logprobs: streaming.set()
+        engine.submit(running)
+        assert streaming.wait(60)  # decoding
+        engine.control(hold.wait)  # the engine thread waits between two steps while the group arrives
+        group = [engine.submit(Pending(p, params)) for p in marked]
+        hold.set()
+        if mergeable:
+            assert [g.future.result(60).text for g in group] == alone
+        else:
+            assert all("out of memory together" in str(g.future.exception(120)) for g in group)
+        assert running.future.result(120).text == running_alone
+        assert together == ([2] if mergeable else [2, 2])  # the group's prefill together did fail (twice: regrouped)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("fused", [True, False])  # the CPU kernel, and the tensor operations
 def test_a_row_whose_head_breaks_fails_alone(tiny_lm, fused):
     """A head whose logits are not numbers fails its row, whatever the profile's settings (with `flagged_mass` such
