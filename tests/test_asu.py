@@ -595,3 +595,46 @@ def test_an_asu_rows_repeat_guard_acts_where_its_gate_does(gated, tiny_records):
         assert mixed == [guarded[i] if i % 2 == 0 else base[i] for i in range(6)]
     finally:
         unload(model)
+
+
+def test_scoring_a_profile_of_adapter_weights_reads_its_routes_not_the_state_generation_left(tiny_model_dir,
+                                                                                            tiny_records):
+    # an eval job generates, then scores (answer probability, truth ratios) on the same model: scoring once ran on
+    # whatever adapter state the last generated batch left (with routing, the longest questions' routes); now every
+    # scored batch sets its own, routed per example as served scoring routes a prompt
+    from lethe.heads.asu.weights import TARGETS, ASUInfo, adapters, expected_tensors, projection_shapes
+    from lethe.heads.evaluation.scoring import completion_nll
+    from lethe.heads.records import qa_example
+    from lethe.heads.t3.guide import TiltSettings
+    from lethe.heads.t3.head import T3Head
+
+    lm = load_model(tiny_model_dir)
+    info = ASUInfo(base_fingerprint=lm.fingerprint, tau=4.0, layers=[0], lora_rank=4, lora_alpha=8,
+                   target_modules=list(TARGETS))
+    gen = torch.Generator().manual_seed(0)
+    shapes = expected_tensors(info, projection_shapes(lm.model))
+    tensors = {k: torch.randn(s, generator=gen) * 0.5 for k, s in shapes.items()}
+    examples = [qa_example(r["question"], r["answer"]) for r in tiny_records[:6]]
+    base = completion_nll(lm.model, lm.tokenizer, examples)
+    cfg = lm.model.config
+    torch.manual_seed(3)
+    head = T3Head(cfg.hidden_size, cfg.vocab_size, 4).eval().requires_grad_(False)
+    torch.nn.init.normal_(head.probe.weight, std=0.01)
+    model = attach(lm.model, "asu_s", tensors, info)
+    try:
+        for left in ("asu_s", "__base__"):  # the state the last generated batch left
+            with adapters(model, [left]):
+                pass
+            assert completion_nll(model, lm.tokenizer, examples) == base, left
+            on = completion_nll(model, lm.tokenizer, examples, adapter="asu_s")
+            assert all(abs(a - b) > 1e-3 for a, b in zip(on, base)), left  # the adapter moves every score
+            for bias in (-20.0, 20.0):  # P(forget) ~1: every example on the adapter; ~0: every one on the base
+                torch.nn.init.constant_(head.probe.bias, bias)
+                all_on = completion_nll(model, lm.tokenizer, examples, head, TiltSettings(), adapter="asu_s")
+                all_off = completion_nll(model, lm.tokenizer, examples, head, TiltSettings())
+                assert all(abs(a - b) > 1e-3 for a, b in zip(all_on, all_off))
+                routed = completion_nll(model, lm.tokenizer, examples, head, TiltSettings(adapter_above=0.5),
+                                        adapter="asu_s")
+                assert routed == (all_on if bias < 0 else all_off), (left, bias)
+    finally:
+        unload(model)

@@ -103,8 +103,8 @@ def truth_ratios(model, tokenizer, records, profile: Profile, fmt: str = "qa") -
     """TR per record, under the profile's distribution."""
     para = [qa_example(r["question"], r["paraphrased_answer"], fmt, tokenizer) for r in records]
     wrong = [qa_example(r["question"], w, fmt, tokenizer) for r in records for w in r["perturbed_answer"]]
-    nll_c = completion_nll(model, tokenizer, para, profile.head, profile.settings)
-    nll_w = completion_nll(model, tokenizer, wrong, profile.head, profile.settings)
+    nll_c = completion_nll(model, tokenizer, para, profile.head, profile.settings, adapter=profile.adapter)
+    nll_w = completion_nll(model, tokenizer, wrong, profile.head, profile.settings, adapter=profile.adapter)
     out, k = [], 0
     for r, c in zip(records, nll_c):
         n = len(r["perturbed_answer"])
@@ -115,7 +115,8 @@ def truth_ratios(model, tokenizer, records, profile: Profile, fmt: str = "qa") -
 
 def answer_probability(model, tokenizer, records, profile: Profile, fmt: str = "qa") -> float:
     ex = [qa_example(r["question"], r["answer"], fmt, tokenizer) for r in records]
-    return statistics.fmean(math.exp(-x) for x in completion_nll(model, tokenizer, ex, profile.head, profile.settings))
+    return statistics.fmean(math.exp(-x) for x in completion_nll(model, tokenizer, ex, profile.head, profile.settings,
+                                                                 adapter=profile.adapter))
 
 
 def set_metrics(lm, records, profile: Profile, cfg: EvalConfig, paraphrased: bool) -> dict:

@@ -20,8 +20,16 @@ from lethe.heads.records import Example, encode_example
 
 @torch.inference_mode()
 def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | None = None,
-                   settings: TiltSettings | None = None, batch_size: int = 32, include_eos: bool = False) -> list[float]:
-    """Mean NLL per completion token (EOS excluded unless asked), one value per example."""
+                   settings: TiltSettings | None = None, batch_size: int = 32, include_eos: bool = False,
+                   adapter: str | None = None) -> list[float]:
+    """Mean NLL per completion token (EOS excluded unless asked), one value per example.
+
+    `adapter`: the ASU adapter (attached to `model`) the profile scores with; None: the base weights. With a head
+    whose settings route (`adapter_above` > 0), an example scores on the adapter only where the head's probe, reading
+    the whole example on the base weights, gives P(forget) above that, as served scoring routes a prompt
+    (`heads.decoding.decode.Batch._routed`). Set for every batch: generation leaves a model in its last batch's state."""
+    from lethe.heads.asu.weights import adapters
+
     device = next(model.parameters()).device
     out: list[float] = [0.0] * len(examples)
     encoded = [encode_example(tokenizer, ex) for ex in examples]
@@ -34,7 +42,9 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
         ids, mask = right_padded([encoded[i][0] for i in idx], tokenizer.pad_token_id or 0)
         ids, mask, width = ids.to(device), mask.to(device), ids.size(1)
         positions = torch.arange(width, device=device).expand(len(idx), width)
-        hidden = forward_last_hidden(model, ids, mask, positions, None)
+        names = _routes(model, head, settings, adapter, (ids, mask, positions), [len(encoded[i][0]) for i in idx])
+        with adapters(model, names):
+            hidden = forward_last_hidden(model, ids, mask, positions, None)
         for r, i in enumerate(idx):
             seq, n_prompt = encoded[i]
             span = slice(n_prompt - 1, len(seq) - 1)  # positions that predict completion tokens
@@ -45,3 +55,21 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
             target = ids[r, n_prompt:len(seq)]
             out[i] = float(torch.nn.functional.cross_entropy(logits, target))
     return out
+
+
+def _routes(model, head: T3Head | None, settings: TiltSettings | None, adapter: str | None, batch: tuple,
+            lengths: list[int]) -> list[str]:
+    """The adapter each of a batch's examples scores with (`__base__`: none); `batch`: its right-padded (ids, mask,
+    positions)."""
+    if adapter is None:
+        return ["__base__"] * len(lengths)
+    if head is None or settings is None or settings.adapter_above <= 0:
+        return [adapter] * len(lengths)
+    from lethe.heads.asu.weights import adapters
+
+    with adapters(model, ["__base__"] * len(lengths)):
+        base = forward_last_hidden(model, *batch, None)
+    device = next(head.parameters()).device
+    pooled = torch.stack([pooled_positions(base[r, :n], head.window)[-1] for r, n in enumerate(lengths)])
+    p = head.forget_probability(pooled.to(device))
+    return [adapter if float(x) > settings.adapter_above else "__base__" for x in p]
