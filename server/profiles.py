@@ -131,14 +131,15 @@ class AdapterCache:
 
         self.check(tenant_id, weights_id)
         with self._attaching:
-            with self._lock:
-                if weights_id not in self._names:
+            if weights_id not in self._names:
+                # read before anything is evicted: weights that fail to load (deleted meanwhile, not servable)
+                # leave the table as it was, and no adapter attached but no longer listed
+                tensors, info = self.load(weights_id)
+                with self._lock:
                     evict = [(i, n) for i, n in self._names.items() if not self._pins.get(i)]
                     evict = evict[: max(0, len(self._names) + 1 - self.size)]
                     for old_id, _ in evict:
                         del self._names[old_id]
-            if weights_id not in self._names:
-                tensors, info = self.load(weights_id)
                 name = f"asu_{weights_id}"
 
                 def add():

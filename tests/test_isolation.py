@@ -348,6 +348,43 @@ def test_deleting_weights_in_use_pins_them_until_the_rows_end(served, tmp_path, 
     assert f"asu_{w}" not in getattr(client.app.state.engine.lm.model, "peft_config", {})
 
 
+def test_weights_that_fail_to_load_evict_no_adapter(served, tmp_path, tiny_records, monkeypatch):
+    # a full adapter cache evicts the least recent unpinned adapter for new weights; the eviction once came before the
+    # new weights were read, so weights that failed to load (deleted meanwhile, not servable) left the evicted adapter
+    # attached but no longer listed: memory past the cache's size that nothing would free
+    from lethe.server.profiles import ProfileError
+
+    client, lm, alice, _ = served
+    prompt = _prompts(tiny_records)[0]
+    cache = client.app.state.adapters
+    first, second = (_upload(client, alice, _asu_file(tmp_path / f"{n}.safetensors", lm, scale=0.5)).json()["id"]
+                     for n in ("evicted", "unloadable"))
+    for name, weights in (("evicted", first), ("unloadable", second)):  # stored profiles: weights read at first use
+        assert client.put(f"/v1/profiles/{name}", json={"backend": "asu", "weights": weights},
+                          headers=alice).status_code == 200
+    monkeypatch.setattr(cache, "size", 1)
+    body = {"prompt": prompt, "temperature": 0, "max_new_tokens": 8}
+    expected = client.post("/generate", json=body | {"profile": "evicted"}, headers=alice)
+    assert expected.status_code == 200, expected.text
+    real_load = cache.load
+
+    def load(weights_id):
+        if weights_id == second:
+            raise ProfileError(422, "weights", "injected: these weights cannot be served")
+        return real_load(weights_id)
+
+    monkeypatch.setattr(cache, "load", load)
+    r = client.post("/generate", json=body | {"profile": "unloadable"}, headers=alice)
+    assert r.status_code == 422 and "injected" in r.text
+    attached = set(getattr(client.app.state.engine.lm.model, "peft_config", {}))
+    assert attached <= set(cache._names.values()) and f"asu_{first}" in attached  # every adapter attached is listed
+    again = client.post("/generate", json=body | {"profile": "evicted"}, headers=alice)
+    assert again.status_code == 200, again.text
+    assert again.json()["text"] == expected.json()["text"]
+    for name in ("evicted", "unloadable"):  # the module's server is shared: leave alice's profiles as they were
+        assert client.delete(f"/v1/profiles/{name}", headers=alice).status_code == 204
+
+
 def test_delete_guard_covers_profile_history_and_jobs(served, tiny_lm, tmp_path, tiny_records):
     client, lm, alice, _ = served
     cfg = lm.model.config
