@@ -36,6 +36,7 @@ from lethe.heads.decoding.sampling import (MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SEE
 from lethe.server.answer_json import dumps
 from lethe.server.auth import Caller, generating
 from lethe.server.generation import admit, check_policy, check_token_ids, complete, field_error, stream
+from lethe.server.profiles import pin
 from lethe.server.protocol import MAX_PROMPT_CHARS, ChatMessage as Message, StopString, ValidText
 
 router = APIRouter(tags=["openai"])
@@ -236,6 +237,8 @@ async def _admit_choices(request: Request, caller: Caller | None, body: OpenAIRe
     field = "unlearning_profile" if body.unlearning_profile else "model"
     profile = check_policy(caller, _asked(body, request), body.lethe_untilted_logprobs, field,
                            "lethe_untilted_logprobs")
+    if len(wanted) > 1:  # one version for every choice, though the profile changes while they are admitted
+        profile = await run_in_threadpool(pin, request.app.state.store, caller and caller.tenant_id, profile)
     tasks = [asyncio.ensure_future(admit(request, caller, p, params, profile, fields)) for _, p, params in wanted]
     try:
         await asyncio.gather(*tasks)

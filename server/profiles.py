@@ -272,15 +272,37 @@ def complete_spec(cache: HeadCache, tenant_id: str, spec: dict, adapters: "Adapt
     return {"backend": "t3", "head": spec["head"], **settings.as_dict()}
 
 
-def resolve(store: Store, cache: HeadCache, tenant_id: str | None, profile: str | dict | None,
+@dataclass(frozen=True)
+class Pinned:
+    """A stored profile's version, read once for a request of several choices: each decodes with this one, though
+    the profile changes while they are admitted (`pin`)."""
+
+    name: str
+    version: int
+    spec: dict
+
+
+def pin(store: Store, tenant_id: str | None, profile: str | dict | None) -> "str | dict | Pinned | None":
+    """`profile` with a stored profile's name replaced by its current version (as it is otherwise: a 404 then
+    comes from `resolve`, as for one choice)."""
+    if tenant_id is None or not isinstance(profile, str) or profile == "base":
+        return profile
+    current = store.current_profile(tenant_id, profile)
+    return profile if current is None else Pinned(profile, *current)
+
+
+def resolve(store: Store, cache: HeadCache, tenant_id: str | None, profile: str | dict | Pinned | None,
             adapters: AdapterCache | None = None) -> Resolved:
-    """What a request decodes with. `profile`: None or "base", a stored profile's name, or an inline spec."""
+    """What a request decodes with. `profile`: None or "base", a stored profile's name (or a version of it:
+    `Pinned`), or an inline spec."""
     if profile is None or profile == "base":
         return BASE
     if tenant_id is None:
         raise ProfileError(401, "profile", "profiles need an API key")
     if isinstance(profile, dict):
         spec, name, version = complete_spec(cache, tenant_id, profile, adapters), None, None
+    elif isinstance(profile, Pinned):
+        spec, name, version = profile.spec, profile.name, profile.version
     else:
         current = store.current_profile(tenant_id, profile)
         if current is None:

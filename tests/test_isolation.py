@@ -199,7 +199,7 @@ def test_a_row_that_raises_fails_alone_and_the_others_decode_as_alone(tiny_lm, m
         engine.close()
 
 
-@pytest.mark.parametrize("mergeable", [True, False])  # a plain growing cache; one rows cannot join (sliding windows)
+@pytest.mark.parametrize("mergeable", [True, False])  # a plain growing cache; one no row can join (sliding windows)
 def test_a_group_that_fails_together_but_starts_alone_never_fails_the_running_batch(tiny_lm, monkeypatch, mergeable):
     # a group whose prefill raises together (a GPU out of memory on many long prompts) while each of its requests
     # starts alone: the engine prefilled the survivors together once more, that failed the same way, and the error
@@ -355,34 +355,75 @@ def test_weights_that_fail_to_load_evict_no_adapter(served, tmp_path, tiny_recor
     from lethe.server.profiles import ProfileError
 
     client, lm, alice, _ = served
-    prompt = _prompts(tiny_records)[0]
-    cache = client.app.state.adapters
+    body = {"prompt": _prompts(tiny_records)[0], "temperature": 0, "max_new_tokens": 8}
+    cache, real_load = client.app.state.adapters, client.app.state.adapters.load
     first, second = (_upload(client, alice, _asu_file(tmp_path / f"{n}.safetensors", lm, scale=0.5)).json()["id"]
                      for n in ("evicted", "unloadable"))
-    for name, weights in (("evicted", first), ("unloadable", second)):  # stored profiles: weights read at first use
-        assert client.put(f"/v1/profiles/{name}", json={"backend": "asu", "weights": weights},
-                          headers=alice).status_code == 200
-    monkeypatch.setattr(cache, "size", 1)
-    body = {"prompt": prompt, "temperature": 0, "max_new_tokens": 8}
-    expected = client.post("/generate", json=body | {"profile": "evicted"}, headers=alice)
-    assert expected.status_code == 200, expected.text
-    real_load = cache.load
 
     def load(weights_id):
         if weights_id == second:
             raise ProfileError(422, "weights", "injected: these weights cannot be served")
         return real_load(weights_id)
 
-    monkeypatch.setattr(cache, "load", load)
-    r = client.post("/generate", json=body | {"profile": "unloadable"}, headers=alice)
-    assert r.status_code == 422 and "injected" in r.text
-    attached = set(getattr(client.app.state.engine.lm.model, "peft_config", {}))
-    assert attached <= set(cache._names.values()) and f"asu_{first}" in attached  # every adapter attached is listed
-    again = client.post("/generate", json=body | {"profile": "evicted"}, headers=alice)
-    assert again.status_code == 200, again.text
-    assert again.json()["text"] == expected.json()["text"]
-    for name in ("evicted", "unloadable"):  # the module's server is shared: leave alice's profiles as they were
-        assert client.delete(f"/v1/profiles/{name}", headers=alice).status_code == 204
+    try:
+        for name, weights in (("evicted", first), ("unloadable", second)):  # stored: the weights read at first use
+            assert client.put(f"/v1/profiles/{name}", json={"backend": "asu", "weights": weights},
+                              headers=alice).status_code == 200
+        monkeypatch.setattr(cache, "size", 1)
+        expected = client.post("/generate", json=body | {"profile": "evicted"}, headers=alice)
+        assert expected.status_code == 200, expected.text
+        monkeypatch.setattr(cache, "load", load)
+        r = client.post("/generate", json=body | {"profile": "unloadable"}, headers=alice)
+        assert r.status_code == 422 and "injected" in r.text
+        attached = set(getattr(client.app.state.engine.lm.model, "peft_config", {}))
+        assert attached <= set(cache._names.values()) and f"asu_{first}" in attached  # every one attached is listed
+        again = client.post("/generate", json=body | {"profile": "evicted"}, headers=alice)
+        assert again.status_code == 200, again.text
+        assert again.json()["text"] == expected.json()["text"]
+    finally:  # the module's server is shared: leave alice's profiles as they were
+        monkeypatch.undo()
+        for name in ("evicted", "unloadable"):
+            client.delete(f"/v1/profiles/{name}", headers=alice)
+
+
+def test_every_choice_of_a_request_decodes_with_one_version_of_its_profile(served, tmp_path, tiny_records,
+                                                                             monkeypatch):
+    # the n choices of a request are admitted one by one; each once read its profile's current version, so a new
+    # version landing meanwhile served some choices with the old and some with the new, while the response named one
+    client, lm, alice, _ = served
+    cfg = lm.model.config
+    torch.manual_seed(5)
+    head = T3Head(cfg.hidden_size, cfg.vocab_size, 4)
+    torch.nn.init.normal_(head.up.weight, std=2.0)
+    save_head(tmp_path / "v2.safetensors", head, HeadInfo(base_fingerprint=lm.fingerprint, d=cfg.hidden_size,
+                                                         vocab=cfg.vocab_size, rank=4))
+    head_id = _upload(client, alice, tmp_path / "v2.safetensors", "/v1/heads/upload").json()["id"]
+    body = {"prompt": _prompts(tiny_records)[0], "max_tokens": 12, "temperature": 0}
+    store, real, landed = client.app.state.store, client.app.state.store.current_profile, []
+
+    def current_profile(tenant_id, name):  # a new version lands right after the request first reads the profile
+        found = real(tenant_id, name)
+        if name == "pinned" and not landed:
+            landed.append(True)
+            store.put_profile(tenant_id, name, second)
+        return found
+
+    try:
+        for name, spec in (("pinned", {"backend": "base"}), ("tilted", {"head": head_id, "gate": False, "lam": 20.0})):
+            assert client.put(f"/v1/profiles/{name}", json=spec, headers=alice).status_code == 200
+        second = client.get("/v1/profiles/tilted", headers=alice).json()["spec"]
+        answers = {name: client.post("/v1/completions", json=body | {"model": name}, headers=alice).json()
+                   for name in ("pinned", "tilted")}
+        assert answers["pinned"]["choices"][0]["text"] != answers["tilted"]["choices"][0]["text"]
+        monkeypatch.setattr(store, "current_profile", current_profile)
+        r = client.post("/v1/completions", json=body | {"model": "pinned", "n": 3}, headers=alice)
+        assert r.status_code == 200, r.text
+        assert r.json()["lethe_profile"] == {"name": "pinned", "version": 1}
+        assert [c["text"] for c in r.json()["choices"]] == [answers["pinned"]["choices"][0]["text"]] * 3
+    finally:  # the module's server is shared: leave alice's profiles as they were
+        monkeypatch.undo()
+        for name in ("pinned", "tilted"):
+            client.delete(f"/v1/profiles/{name}", headers=alice)
 
 
 def test_delete_guard_covers_profile_history_and_jobs(served, tiny_lm, tmp_path, tiny_records):
