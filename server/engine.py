@@ -265,9 +265,10 @@ class Engine:
         return self._joined(alone)
 
     def _joined(self, alone: list[tuple[Pending, Batch]]) -> tuple[Batch | None, list[Pending]]:
-        """Requests prefilled one by one, as one batch: merged (prefilled together again, they could fail as their
-        group did, and that error would fail the running batch: every tenant's rows), or, where the model's cache
-        cannot merge, prefilled together again; if that fails too, they fail, and the running batch goes on."""
+        """Requests prefilled one by one, as one batch: their batches merged (not prefilled together again, which
+        could fail as their group did, and that error would fail the running batch: every tenant's rows); where the
+        model's cache cannot merge, prefilled together again, and if that fails they fail, the running batch going
+        on."""
         started = [pending for pending, _ in alone]
         if not alone:
             return None, []

@@ -25,9 +25,10 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
     """Mean NLL per completion token (EOS excluded unless asked), one value per example.
 
     `adapter`: the ASU adapter (attached to `model`) the profile scores with; None: the base weights. With a head
-    whose settings route (`adapter_above` > 0), an example scores on the adapter only where the head's probe, reading
-    the whole example on the base weights, gives P(forget) above that, as served scoring routes a prompt
-    (`heads.decoding.decode.Batch._routed`). Set for every batch: generation leaves a model in its last batch's state."""
+    whose settings route (`adapter_above` > 0), an example scores on the base weights where the head's probe, reading
+    the whole example there, gives P(forget) at most that, as served scoring (echo) routes its prompt, the scored text
+    (`heads.decoding.decode.Batch._routed`): each option of a question on its own. Set for every batch: generation
+    leaves a model in its last batch's state."""
     from lethe.heads.asu.weights import adapters
 
     device = next(model.parameters()).device
@@ -72,4 +73,4 @@ def _routes(model, head: T3Head | None, settings: TiltSettings | None, adapter: 
     device = next(head.parameters()).device
     pooled = torch.stack([pooled_positions(base[r, :n], head.window)[-1] for r, n in enumerate(lengths)])
     p = head.forget_probability(pooled.to(device))
-    return [adapter if float(x) > settings.adapter_above else "__base__" for x in p]
+    return ["__base__" if float(x) <= settings.adapter_above else adapter for x in p]  # NaN: the adapter, as served
