@@ -25,7 +25,7 @@ from lethe.heads.decoding.logprobs import TokenLogprob, prompt_logprobs, token_l
 from lethe.heads.io import crash_after_tokens, crash_point
 from lethe.heads.decoding.repeats import AnswerNgrams, ban_repeats, numpy_view, word_classes
 from lethe.heads.decoding.sampling import SamplingParams, make_generator, penalize, sample
-from lethe.heads.t3.guide import MAX_LOOKAHEAD, whole_vocabulary
+from lethe.heads.t3.guide import MAX_LOOKAHEAD, on_adapter, whole_vocabulary
 from lethe.heads.t3.tilt import keep_whole_words, word_ends
 from lethe.heads.t3.pooling import Pool
 
@@ -372,9 +372,7 @@ class Batch:
                 runner.close()
             out = list(adapters)
             for j, i in enumerate(asks):
-                head, settings = self._head_of(i)
-                device = next(head.parameters()).device
-                if float(head.forget_probability(pooled[j:j + 1].to(device))[0]) <= settings.adapter_above:
+                if not on_adapter(*self._head_of(i), pooled[j:j + 1])[0]:
                     out[i] = "__base__"
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lethe.heads.decoding.decode import forward_last_hidden, right_padded
-from lethe.heads.t3.guide import TiltSettings, whole_vocabulary
+from lethe.heads.t3.guide import TiltSettings, on_adapter, whole_vocabulary
 from lethe.heads.t3.head import T3Head
 from lethe.heads.t3.pooling import pooled_positions
 from lethe.heads.records import Example, encode_example
@@ -26,9 +26,9 @@ def completion_nll(model, tokenizer, examples: list[Example], head: T3Head | Non
 
     `adapter`: the ASU adapter (attached to `model`) the profile scores with; None: the base weights. With a head
     whose settings route (`adapter_above` > 0), an example scores on the base weights where the head's probe, reading
-    the whole example there, gives P(forget) at most that, as served scoring (echo) routes its prompt, the scored text
-    (`heads.decoding.decode.Batch._routed`): each option of a question on its own. Set for every batch: generation
-    leaves a model in its last batch's state."""
+    the whole example there, gives P(forget) at most that (`heads.t3.guide.on_adapter`), as served scoring (echo)
+    routes its prompt, the scored text: each option of a question on its own. Set for every batch: generation leaves
+    a model in its last batch's state."""
     from lethe.heads.asu.weights import adapters
 
     device = next(model.parameters()).device
@@ -70,7 +70,5 @@ def _routes(model, head: T3Head | None, settings: TiltSettings | None, adapter: 
 
     with adapters(model, ["__base__"] * len(lengths)):
         base = forward_last_hidden(model, *batch, None)
-    device = next(head.parameters()).device
     pooled = torch.stack([pooled_positions(base[r, :n], head.window)[-1] for r, n in enumerate(lengths)])
-    p = head.forget_probability(pooled.to(device))
-    return ["__base__" if float(x) <= settings.adapter_above else adapter for x in p]  # NaN: the adapter, as served
+    return [adapter if on else "__base__" for on in on_adapter(head, settings, pooled)]

@@ -174,6 +174,14 @@ def whole_vocabulary(head: T3Head, settings: TiltSettings, logits: torch.Tensor,
     return tilt(logits, z, full(settings.T), full(settings.lam), gate, cap=cap, push=push)
 
 
+def on_adapter(head: T3Head, settings: TiltSettings, pooled: torch.Tensor) -> list[bool]:
+    """(n, d) pooled states of prompts (or scored texts) on the base weights -> per one, whether a profile of ASU
+    weights with this head decodes (or scores) it with its adapter: unless the probe's P(forget) is at most
+    `adapter_above` (a NaN: with it)."""
+    p = head.forget_probability(pooled.to(next(head.parameters()).device))
+    return [not float(x) <= settings.adapter_above for x in p]
+
+
 def likeliest(z: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """(B, V) head logits and base logits -> (B,): the head's logit for each row's likeliest base token (argmax:
     the lowest id among ties, as the CPU kernel reads it)."""
